@@ -1,0 +1,201 @@
+"""Command line: `serve` and `download-weights` as TGI's launcher calls them, plus `tiny-model`.
+
+Heavy imports (torch, transformers, the engine) happen inside the commands, after the cheap
+checks, so a refused flag fails fast and `--help` stays quick.
+"""
+
+# No `from __future__ import annotations`: typer reads the annotations at runtime.
+import dataclasses
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
+
+import typer
+from loguru import logger
+
+from tgi_vlm.config import EngineConfig, ServerConfig
+from tgi_vlm.log import setup_logging
+
+if TYPE_CHECKING:
+    from tgi_vlm.models.types import ShardModel
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="tgi-vlm: a vision-language-model shard for text-generation-inference (TGI v3 protocol).",
+)
+
+# Besides weights: config, processor and tokenizer files (and chat templates) of a checkpoint.
+HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*"]
+
+
+class Dtype(str, Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+class TinySize(str, Enum):
+    tiny = "tiny"
+    bench = "bench"
+
+
+def _fail(message: str) -> NoReturn:
+    logger.error(message)
+    raise typer.Exit(code=1)
+
+
+def check_model_id(model_id: str) -> None:
+    if ".." in Path(model_id).parts or ".." in model_id.split("/"):
+        _fail(f"model id {model_id!r} contains '..'; pass a hub id (org/name) or an absolute directory path")
+
+
+def unsupported_features(config: ServerConfig, quantize: Optional[str], speculate: Optional[int],
+                         kv_cache_dtype: Optional[str]) -> list[str]:
+    """Everything asked for that this backend does not do, each with what to do instead."""
+    problems = []
+    if quantize:
+        problems.append(f"--quantize {quantize} is not supported (no quantized kernels); "
+                        "serve the unquantized checkpoint")
+    if speculate:
+        problems.append(f"--speculate {speculate} is not supported (no speculative decoding); drop the flag")
+    if kv_cache_dtype:
+        problems.append(f"--kv-cache-dtype {kv_cache_dtype} is not supported; the KV cache uses the model dtype")
+    if config.lora_adapters:
+        problems.append(f"LoRA adapters ({config.lora_adapters}) are not supported; merge them into the weights")
+    if config.sharded or config.world_size > 1:
+        problems.append(f"tensor parallelism is not supported yet (--sharded, WORLD_SIZE={config.world_size}); "
+                        "run one shard per GPU (--num-shard 1)")
+    return problems
+
+
+@app.command()
+def serve(
+    model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    revision: Optional[str] = None,
+    sharded: bool = False,
+    quantize: Optional[str] = None,
+    speculate: Optional[int] = None,
+    dtype: Optional[Dtype] = None,
+    kv_cache_dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+    uds_path: str = "/tmp/text-generation-server",
+    logger_level: str = "INFO",
+    json_output: bool = False,
+    otlp_endpoint: Optional[str] = None,
+    otlp_service_name: str = "text-generation-inference.server",
+    max_input_tokens: Optional[int] = None,
+    lora_adapters: Optional[str] = None,
+) -> None:
+    """Serve the model on unix://{uds-path}-{rank} (TGI v3 shard protocol)."""
+    _setup_logging(logger_level, json_output)
+    check_model_id(model_id)
+    try:
+        config = ServerConfig.from_env(
+            model_id, engine=EngineConfig(), uds_path=uds_path, sharded=sharded, json_output=json_output,
+            logger_level=logger_level, otlp_endpoint=otlp_endpoint, otlp_service_name=otlp_service_name,
+            max_input_tokens=max_input_tokens, lora_adapters=lora_adapters,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    problems = unsupported_features(config, quantize, speculate, kv_cache_dtype)
+    if problems:
+        _fail("cannot serve: " + "; ".join(problems))
+    try:
+        # Only now: reading the device imports torch.
+        engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
+                                       trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        _fail(str(exc))
+    run_server(dataclasses.replace(config, engine=engine))
+
+
+def run_server(config: ServerConfig) -> None:
+    from tgi_vlm.server.serve import serve as serve_forever
+
+    try:
+        serve_forever(config, load_model)
+    except Exception as exc:
+        logger.opt(exception=exc).error("shard failed: {}: {}", type(exc).__name__, exc)
+        raise typer.Exit(code=1) from None
+
+
+def load_model(config: ServerConfig) -> "ShardModel":
+    from tgi_vlm.models import get_model
+
+    engine = config.engine
+    return get_model(config.model_id, engine, revision=engine.revision, trust_remote_code=engine.trust_remote_code)
+
+
+@app.command("download-weights")
+def download_weights(
+    model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    revision: Optional[str] = None,
+    extension: str = ".safetensors",
+    auto_convert: bool = True,
+    logger_level: str = "INFO",
+    json_output: bool = False,
+    trust_remote_code: bool = False,
+    merge_lora: bool = False,
+) -> None:
+    """Fetch a hub model's config, tokenizer and safetensors weights; check a local directory."""
+    _setup_logging(logger_level, json_output)
+    check_model_id(model_id)
+    if merge_lora:
+        _fail("--merge-lora: LoRA adapters are not supported; merge them into the weights beforehand")
+    if extension != ".safetensors":
+        _fail(f"--extension {extension}: only .safetensors weights are loaded")
+    local = Path(model_id).expanduser()
+    if local.is_dir():
+        check_weights_dir(local)
+        return
+    if model_id.startswith(("/", ".", "~")):
+        _fail(f"local model directory {model_id} does not exist")
+    check_weights_dir(_snapshot(model_id, revision, trust_remote_code))
+
+
+def _snapshot(model_id: str, revision: Optional[str], trust_remote_code: bool) -> Path:
+    import huggingface_hub
+
+    patterns = HUB_FILE_PATTERNS + (["*.py"] if trust_remote_code else [])
+    logger.info("downloading {} (revision {}) from the Hugging Face Hub", model_id, revision or "main")
+    try:
+        path = huggingface_hub.snapshot_download(repo_id=model_id, revision=revision, allow_patterns=patterns)
+    except Exception as exc:
+        _fail(f"could not download {model_id!r} from the Hugging Face Hub ({type(exc).__name__}: {exc}). "
+              "Check the id and your network or token (HF_TOKEN); offline, pass a local directory "
+              "or set HF_HUB_OFFLINE=1 with the model already in the cache.")
+    return Path(path)
+
+
+def check_weights_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        _fail(f"{path} has no config.json; is it a transformers model directory?")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.glob("*.bin"))
+        found = f" (found {', '.join(pickles)}: pickle .bin weights are not loaded)" if pickles else ""
+        _fail(f"{path} has no *.safetensors weights{found}; convert the checkpoint to safetensors")
+    logger.info("model files present in {}", path)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Directory to write the model to")],
+    arch: Annotated[str, typer.Option(help="model_type of the architecture, e.g. qwen2_vl")],
+    size: TinySize = TinySize.tiny,
+    logger_level: str = "INFO",
+) -> None:
+    """Write a small random-weight model of one architecture (offline), for tests and benchmarks."""
+    _setup_logging(logger_level, False)
+    from tgi_vlm.testing import build_tiny_model
+
+    build_tiny_model(arch, out, size=size.value)
+    logger.info("wrote a {} {} model to {}", size.value, arch, out)
+
+
+def _setup_logging(level: str, json_output: bool) -> None:
+    try:
+        setup_logging(level, json_output)
+    except ValueError as exc:
+        setup_logging("INFO", json_output)
+        _fail(str(exc))

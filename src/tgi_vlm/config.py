@@ -1,0 +1,177 @@
+"""The one place where environment variables and CLI flags are read.
+
+TGI's launcher passes configuration through flags and environment variables. `ServerConfig.from_env`
+turns both into frozen dataclasses that are handed to constructors; nothing else in the package
+reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
+KNOWN_ATTENTION = ("torch", "paged", "flashinfer", "flashdecoding")
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={value!r} is not a number") from exc
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+
+
+def parse_cuda_graphs(value: str | None) -> tuple[int, ...]:
+    """TGI's CUDA_GRAPHS: a comma list of batch sizes; unset/empty/"0" disables graphs."""
+    if value is None or value.strip() in ("", "0"):
+        return ()
+    sizes = sorted({int(v) for v in value.split(",") if v.strip()}, reverse=True)
+    if any(s <= 0 for s in sizes):
+        raise ValueError(f"CUDA_GRAPHS={value!r}: batch sizes must be positive")
+    return tuple(sizes)  # largest first: captured in this order to share one memory pool
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Limits on untrusted request content (documented in README, "Limits")."""
+
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 64 * 1024 * 1024  # decompression-bomb guard (width*height)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> InputLimits:
+        return cls(
+            max_images_per_request=_int(env, "TGI_VLM_MAX_IMAGES_PER_REQUEST", cls.max_images_per_request),
+            max_image_bytes=_int(env, "TGI_VLM_MAX_IMAGE_BYTES", cls.max_image_bytes),
+            max_image_pixels=_int(env, "TGI_VLM_MAX_IMAGE_PIXELS", cls.max_image_pixels),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the model runner needs: device, dtype, attention, KV cache and generation knobs."""
+
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    attention: str = "torch"
+    block_size: int = 16
+    prefix_caching: bool = False
+    prefill_chunking: bool = True
+    cuda_graphs: tuple[int, ...] = ()
+    cuda_memory_fraction: float = 1.0
+    wiggle_room: float = 0.90
+    # CPU has no "free memory" to size the KV cache from: a byte budget instead.
+    cpu_kv_cache_bytes: int = 1 << 30
+    request_logprobs: bool = False
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+    trust_remote_code: bool = False
+    revision: str | None = None
+    limits: InputLimits = field(default_factory=InputLimits)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:
+        env = os.environ if env is None else env
+        device = overrides.pop("device", None) or env.get("TGI_VLM_DEVICE") or _default_device()
+        attention = (env.get("ATTENTION") or ("flashinfer" if device.startswith("cuda") else "torch")).lower()
+        if attention not in KNOWN_ATTENTION:
+            raise ValueError(f"ATTENTION={attention!r} is not known; choose one of {', '.join(KNOWN_ATTENTION)}")
+        values = dict(
+            device=device,
+            attention=attention,
+            block_size=_int(env, "BLOCK_SIZE", 16),
+            prefix_caching=_flag(env, "PREFIX_CACHING", False),
+            prefill_chunking=_flag(env, "PREFILL_CHUNKING", True),
+            cuda_graphs=parse_cuda_graphs(env.get("CUDA_GRAPHS")) if device.startswith("cuda") else (),
+            cuda_memory_fraction=_float(env, "CUDA_MEMORY_FRACTION", 1.0),
+            wiggle_room=_float(env, "TGI_WIGGLE_ROOM", 0.90),
+            cpu_kv_cache_bytes=int(_float(env, "TGI_VLM_CPU_KV_CACHE_GB", 1.0) * (1 << 30)),
+            request_logprobs=_flag(env, "REQUEST_LOGPROBS", False),
+            watermark_gamma=_float(env, "WATERMARK_GAMMA", 0.5),
+            watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),
+            limits=InputLimits.from_env(env),
+        )
+        values.update(overrides)
+        config = cls(**values)
+        if config.block_size <= 0:
+            raise ValueError(f"BLOCK_SIZE={config.block_size} must be positive")
+        return config
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Process-level settings: which model, where to listen, how to log."""
+
+    model_id: str
+    uds_path: str = "/tmp/text-generation-server"
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "localhost"
+    master_port: int = 29500
+    sharded: bool = False
+    json_output: bool = False
+    logger_level: str = "INFO"
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "text-generation-inference.server"
+    max_input_tokens: int | None = None
+    max_message_bytes: int = 2**31 - 1  # images can be megabytes; TGI uses i32::MAX
+    lora_adapters: str | None = None  # --lora-adapters or LORA_ADAPTERS; refused (not supported)
+    shutdown_grace_s: float = 10.0  # on SIGTERM: how long the in-flight RPC may still run
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @classmethod
+    def from_env(cls, model_id: str, env: Mapping[str, str] | None = None, *, engine: EngineConfig | None = None,
+                 **flags) -> ServerConfig:
+        env = os.environ if env is None else env
+        flags["lora_adapters"] = flags.get("lora_adapters") or env.get("LORA_ADAPTERS") or None
+        return cls(
+            model_id=model_id,
+            rank=_int(env, "RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", 1),
+            master_addr=env.get("MASTER_ADDR", "localhost"),
+            master_port=_int(env, "MASTER_PORT", 29500),
+            max_message_bytes=_int(env, "TGI_VLM_MAX_MESSAGE_BYTES", 2**31 - 1),
+            shutdown_grace_s=_float(env, "TGI_VLM_SHUTDOWN_GRACE_S", 10.0),
+            engine=engine or EngineConfig.from_env(env),
+            **flags,
+        )
+
+    def socket_path(self, rank: int | None = None) -> str:
+        return f"{self.uds_path}-{self.rank if rank is None else rank}"
+
+    def socket_url(self, rank: int | None = None) -> str:
+        return f"unix://{self.socket_path(rank)}"

@@ -1,0 +1,25 @@
+"""Token selection and stopping: logits processors, seeded choosers, stopping criteria,
+incremental detokenization and reported logprobs. Pure PyTorch; no gRPC here."""
+
+from tgi_vlm.generation.chooser import ChosenTokens, TokenChooser, choose_tokens
+from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, token_texts
+from tgi_vlm.generation.logits_process import LogitsPipeline, Watermark
+from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
+from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters
+from tgi_vlm.generation.stopping import StoppingCriteria
+
+__all__ = [
+    "ChosenTokens",
+    "IncrementalDetokenizer",
+    "LogitsPipeline",
+    "SamplingParameters",
+    "StoppingCriteria",
+    "TokenChooser",
+    "Watermark",
+    "choose_tokens",
+    "prefill_logprobs",
+    "token_text",
+    "token_texts",
+    "top_n",
+    "validate_parameters",
+]

@@ -1,0 +1,88 @@
+"""Per-step attention metadata, built once on the host and shared by every layer.
+
+A step packs the scheduled tokens of all sequences into one ragged row `[1, T]`. Sequences that
+feed exactly one token (decode) form one padded group and run as a single batched SDPA call;
+sequences that feed more (prefill chunks) run one SDPA call each. Masks are built lazily, once
+per (group, sliding window) and cached for the remaining layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tgi_vlm.layers.attention.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillSpan:
+    """One multi-token sequence of the step. Rows `[q_start, q_end)` of the packed tokens are the
+    positions `[kv_len - (q_end - q_start), kv_len)` of the sequence."""
+
+    q_start: int
+    q_end: int
+    kv_len: int
+    slot_index: torch.Tensor  # [kv_len] long: cache slot of every position 0..kv_len-1
+    # [kv_len] long or None: positions sharing a group id >= 0 attend to each other both ways
+    # (Gemma3 image blocks, PaliGemma prefix); -1 = plain causal.
+    bidirectional_groups: torch.Tensor | None = None
+
+    @property
+    def q_len(self) -> int:
+        return self.q_end - self.q_start
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences feeding one token each, padded to the longest: slot_index `[B, max_kv]` (padding
+    points at slot 0 and is masked out), kv_lens `[B]`, rows `[B]` into the packed tokens."""
+
+    rows: torch.Tensor
+    slot_index: torch.Tensor
+    kv_lens: torch.Tensor
+    rows_are_all: bool  # the step is decode only: rows == arange(T), no gather/scatter needed
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: PagedKVCache
+    slots: torch.Tensor  # [T] long: where this step's keys/values are written
+    num_tokens: int
+    decode: DecodeGroup | None
+    prefills: list[PrefillSpan]
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, 1, max_kv] bool: True where the decode query may attend."""
+        key = ("decode", sliding_window)
+        if key not in self._masks:
+            group = self.decode
+            positions = torch.arange(group.slot_index.shape[1], device=group.slot_index.device)
+            lens = group.kv_lens[:, None]
+            mask = positions[None, :] < lens
+            if sliding_window:
+                mask &= positions[None, :] > lens - 1 - sliding_window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor:
+        """[1, 1, q_len, kv_len] bool for prefill span `index`."""
+        key = (index, sliding_window)
+        if key not in self._masks:
+            self._masks[key] = _span_mask(self.prefills[index], sliding_window)
+        return self._masks[key]
+
+
+def _span_mask(span: PrefillSpan, sliding_window: int | None) -> torch.Tensor:
+    device = span.slot_index.device
+    k_pos = torch.arange(span.kv_len, device=device)
+    q_pos = k_pos[span.kv_len - span.q_len :]
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window:
+        mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    groups = span.bidirectional_groups
+    if groups is not None:
+        q_groups = groups[span.kv_len - span.q_len :]
+        mask |= (q_groups[:, None] == groups[None, :]) & (q_groups[:, None] >= 0)
+    return mask[None, None]

@@ -1,0 +1,60 @@
+"""Reference paged attention in plain PyTorch (CPU and GPU).
+
+Registered with transformers' AttentionInterface and selected for the text sub-model only. It
+receives rotary-applied query `[1, Hq, T, D]` and key/value `[1, Hkv, T, D]` for the packed step,
+writes K/V into the paged cache at `attn_metadata.slots`, then attends each sequence over its
+cached positions. Returns `[1, T, Hq, D]` as transformers expects.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tgi_vlm.layers.attention.metadata import AttentionMetadata
+
+
+def torch_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if attn_metadata is None:
+        raise RuntimeError("tgi_vlm paged attention called without attn_metadata (use the engine's forward)")
+    meta = attn_metadata
+    k_cache, v_cache = meta.kv_cache.flat(module.layer_idx)  # [slots, Hkv, D]
+    k_cache.index_copy_(0, meta.slots, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slots, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window)
+    for index, span in enumerate(meta.prefills):
+        q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
+        k_span = k_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
+        v_span = v_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)
+        mask = meta.prefill_mask(index, sliding_window)
+        o = F.scaled_dot_product_attention(q_span, k_span, v_span, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[span.q_start : span.q_end] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window) -> None:
+    group = meta.decode
+    q_dec = (q if group.rows_are_all else q[group.rows])[:, :, None, :]  # [B, Hq, 1, D]
+    k_dec = k_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, max_kv, D]
+    v_dec = v_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)
+    mask = meta.decode_mask(sliding_window)
+    o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=mask, scale=scaling, enable_gqa=True)
+    if group.rows_are_all:
+        out.copy_(o[:, :, 0])
+    else:
+        out[group.rows] = o[:, :, 0]

@@ -1,0 +1,52 @@
+"""get_model(): a model directory (or hub id) → a ready FlashCausalLM or VlmCausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from tgi_vlm.config import EngineConfig
+from tgi_vlm.layers.attention import register_attention, resolve_backend
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def get_model(model_id: str, config: EngineConfig, *, revision: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    backend = resolve_backend(config.attention, config.device)
+    attn_name = register_attention(backend)
+    hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+    dtype = DTYPES[config.torch_dtype_name]
+    if _is_vision_language(hf_config):
+        from tgi_vlm.models.vlm_causal_lm import load_vlm
+
+        return load_vlm(model_id, hf_config, config, attn_name, dtype, revision=revision,
+                        trust_remote_code=trust_remote_code)
+    return _load_text_model(model_id, config, attn_name, dtype, revision, trust_remote_code)
+
+
+def _is_vision_language(hf_config) -> bool:
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def _load_text_model(model_id, config: EngineConfig, attn_name, dtype, revision, trust_remote_code):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tgi_vlm.models.flash_causal_lm import FlashCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_id,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_name,
+        dtype=dtype,
+        use_safetensors=True,  # never unpickle weights
+    ).to(config.device)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_id, revision=revision, trust_remote_code=trust_remote_code, truncation_side="left"
+    )
+    logger.info("loaded {} ({}) on {} in {}", Path(model_id).name, type(model).__name__, config.device, dtype)
+    return FlashCausalLM(model, tokenizer, config, model_id=model_id)

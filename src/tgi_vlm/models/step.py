@@ -1,0 +1,118 @@
+"""Planning one forward: which tokens of which sequences run, and the tensors that describe them.
+
+Decide on the host, act on the device: `schedule` is plain Python over sequence counters;
+`build_step` turns its decision into the packed token ids, positions, slots and attention
+metadata that every layer shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tgi_vlm.layers.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
+from tgi_vlm.models.sequence import Sequence
+
+
+def schedule(seqs: list[Sequence], prefill_budget: int | None) -> list[int]:
+    """Tokens each sequence feeds in the next forward (0 for finished ones).
+
+    A decoding sequence feeds 1. A prefilling one feeds the router's `chunk_len` on its first
+    prefill (the whole prompt when unset); later chunks share what the budget leaves after the
+    decode tokens, in batch order, at least one token each so every sequence progresses.
+    Pure: calling it twice gives the same answer (`to_pb` uses it for `current_tokens`).
+    """
+    sizes = [0 if s.finished else (1 if not s.prefilling else -1) for s in seqs]
+    left = None if prefill_budget is None else prefill_budget - sum(1 for n in sizes if n == 1)
+    for i, seq in enumerate(seqs):
+        if sizes[i] != -1:
+            continue
+        if seq.first_chunk_len is not None or left is None:
+            n = seq.remaining_prompt if seq.first_chunk_len is None else min(seq.first_chunk_len, seq.remaining_prompt)
+        else:
+            n = min(seq.remaining_prompt, max(left, 1))
+        sizes[i] = max(n, 1)
+        if left is not None:
+            left -= sizes[i]
+    return sizes
+
+
+@dataclass
+class SeqWindow:
+    """Sequence `seq` runs positions [start, end) in rows [row, row + end - start) of the step."""
+
+    index: int  # position in the batch
+    seq: Sequence
+    start: int
+    end: int
+    row: int
+
+    @property
+    def samples(self) -> bool:
+        """The window reaches the end of the known tokens, so the step yields a new token."""
+        return self.end == len(self.seq.all_ids)
+
+
+@dataclass
+class StepInputs:
+    windows: list[SeqWindow]
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long, absolute positions (adapters may replace, e.g. mrope)
+    metadata: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, device: torch.device) -> StepInputs:
+    windows: list[SeqWindow] = []
+    ids: list[int] = []
+    positions: list[int] = []
+    row = 0
+    for index, (seq, n) in enumerate(zip(seqs, sizes)):
+        if n == 0:
+            continue
+        start = seq.num_computed
+        windows.append(SeqWindow(index, seq, start, start + n, row))
+        ids.extend(seq.all_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        row += n
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    slots = torch.cat([w.seq.slot_tensor[w.start : w.end] for w in windows])
+    metadata = AttentionMetadata(
+        kv_cache=kv_cache,
+        slots=slots,
+        num_tokens=row,
+        decode=_decode_group(windows, row, device),
+        prefills=[_prefill_span(w) for w in windows if w.end - w.start > 1],
+    )
+    return StepInputs(windows, input_ids, positions_t, metadata)
+
+
+def _decode_group(windows: list[SeqWindow], num_tokens: int, device: torch.device) -> DecodeGroup | None:
+    singles = [w for w in windows if w.end - w.start == 1]
+    if not singles:
+        return None
+    kv_lens = [w.end for w in singles]
+    slot_index = torch.nn.utils.rnn.pad_sequence([w.seq.slot_tensor[: w.end] for w in singles], batch_first=True)
+    return DecodeGroup(
+        rows=torch.tensor([w.row for w in singles], dtype=torch.long, device=device),
+        slot_index=slot_index,  # padding is 0 → slot 0 of reserved block 0, masked out
+        kv_lens=torch.tensor(kv_lens, dtype=torch.long, device=device),
+        rows_are_all=len(singles) == num_tokens,
+    )
+
+
+def _prefill_span(window: SeqWindow) -> PrefillSpan:
+    seq = window.seq
+    groups = getattr(seq, "bidirectional_groups", None)
+    return PrefillSpan(
+        q_start=window.row,
+        q_end=window.row + window.end - window.start,
+        kv_len=window.end,
+        slot_index=seq.slot_tensor[: window.end],
+        bidirectional_groups=None if groups is None else groups[: window.end],
+    )

@@ -1,0 +1,62 @@
+"""Warmup: run the router's warmup batch once, then size the KV cache.
+
+The warmup forward runs on a temporary cache just large enough for the batch, so that on a GPU
+the free memory measured afterwards already accounts for activations. The real cache is then
+sized from free memory × CUDA_MEMORY_FRACTION × TGI_WIGGLE_ROOM (GPU) or from the CPU byte
+budget, and the router's limits are filled in the way TGI's router expects.
+"""
+
+from __future__ import annotations
+
+import torch
+from loguru import logger
+
+from tgi_vlm.errors import InvalidArgument
+from tgi_vlm.layers.attention import blocks_needed
+from tgi_vlm.pb import generate_pb2
+
+
+def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, int]:
+    max_prefill = request.max_prefill_tokens
+    _run_warmup_batch(model, request.batch, max_prefill)
+    model.kv_cache = None
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+        torch.cuda.empty_cache()
+    num_blocks = model.default_num_blocks()
+    model.allocate_kv_cache(num_blocks)
+    supported = num_blocks * model.config.block_size
+    model.prefill_budget = max_prefill if model.config.prefill_chunking and max_prefill else model.prefill_budget
+
+    max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
+    max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
+    if max_total is None:
+        limits = [supported, _max_positions(model)]
+        max_total = min(v for v in limits if v)
+    if max_input is None:
+        max_input = max_total - 1
+    if max_input >= max_total:
+        raise InvalidArgument(f"max_input_tokens ({max_input}) must be below max_total_tokens ({max_total})")
+    logger.info("KV cache: {} blocks of {} tokens ({} tokens)", num_blocks, model.config.block_size, supported)
+    return supported, max_input, max_total
+
+
+def _run_warmup_batch(model, pb_batch: generate_pb2.Batch, max_prefill: int) -> None:
+    if not pb_batch.requests:
+        return
+    model.prefill_budget = max(max_prefill, 1) if model.config.prefill_chunking else None
+    bs = model.config.block_size
+    lengths = [len(model.tokenize_request(r, warmup=True).ids) for r in pb_batch.requests]
+    model.allocate_kv_cache(1 + sum(blocks_needed(n + 1, bs) for n in lengths))  # + reserved block 0
+    batch = model.batch_from_pb(pb_batch, warmup=True)
+    try:
+        model.generate_token(batch)
+    finally:
+        batch.release()
+
+
+def _max_positions(model) -> int | None:
+    value = getattr(model.text_config, "max_position_embeddings", None)
+    tok_max = getattr(model.tokenizer, "model_max_length", None)
+    candidates = [v for v in (value, tok_max) if isinstance(v, int) and 0 < v < 10**8]
+    return min(candidates) if candidates else None

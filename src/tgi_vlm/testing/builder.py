@@ -1,0 +1,105 @@
+"""Build tiny random models offline, and cache them on disk.
+
+Known issue, left alone on purpose: in transformers 5.24 `Llama4ForConditionalGeneration.forward`
+reads `outputs.image_outputs` from a `MoeCausalLMOutputWithPast`, so every `return_dict=True`
+forward (and therefore `generate`) raises AttributeError. The built llama4 model is correct;
+callers run it with `return_dict=False` or call the language model directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
+
+from tgi_vlm.testing.recipes import RECIPES, Recipe
+from tgi_vlm.testing.sizes import get_sizes
+from tgi_vlm.testing.tokenizer import build_tokenizer
+
+ARCHS: tuple[str, ...] = tuple(RECIPES)
+
+# Bump when a build changes (recipes, sizes, tokenizer), so cached models are rebuilt.
+BUILDER_VERSION = 1
+
+CACHE_ENV = "TGI_VLM_TINY_CACHE"
+
+
+def _recipe(arch: str) -> Recipe:
+    if arch not in RECIPES:
+        raise ValueError(f"unknown tiny-model architecture {arch!r}; expected one of {', '.join(ARCHS)}")
+    return RECIPES[arch]
+
+
+def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
+    """Write a complete random model directory for `arch` to `out_dir` and return its path.
+
+    The directory holds config.json, model.safetensors (float32), generation_config.json, the
+    tokenizer files and, for vision-language models, the processor files; it reloads with
+    `AutoProcessor` + `AutoModelForImageTextToText` (VLMs) or `AutoTokenizer` +
+    `AutoModelForCausalLM` (llama, qwen2). The same `arch`, `size` and `seed` give the same files.
+
+    Sizes (parameter counts as built with seed 0):
+      - "tiny": text 64 wide, 2 layers, 4 query / 2 KV heads of 16, vision towers 32 wide;
+        0.2-0.5M parameters (PaliGemma ~0.4M: its 1,152 <loc>/<seg> tokens), ~1-2 MB, 1-3 s.
+      - "bench": text 768 wide, 12 layers, 12 query / 4 KV heads of 64, MLP 2560, vocab ~3.8k:
+        llama ≈ 96M parameters; qwen2_vl ≈ 99M (vision tower depth 4, 256 wide).
+    """
+    recipe = _recipe(arch)
+    sizes = get_sizes(size)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(recipe.tokenizer, seed=seed, num_merges=sizes.num_merges)
+    processor = recipe.processor(tokenizer, sizes) if recipe.processor else None
+    config = recipe.config(tokenizer, sizes)  # after the processor: it may add tokens
+    model = _random_model(config, is_vlm=recipe.is_vlm, seed=seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (processor or tokenizer).save_pretrained(out_dir)
+    return out_dir
+
+
+def _random_model(config, *, is_vlm: bool, seed: int) -> PreTrainedModel:
+    auto_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = auto_class.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def cache_dir() -> Path:
+    """Where `tiny_model_path` keeps built models: $TGI_VLM_TINY_CACHE or ~/.cache/tgi-vlm/tiny."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root) if root else Path.home() / ".cache" / "tgi-vlm" / "tiny"
+
+
+def tiny_model_path(arch: str, *, size: str = "tiny") -> Path:
+    """The cached model directory for (`arch`, `size`, seed 0), built on first use.
+
+    Safe when several processes ask at once: each builds into its own temporary directory and
+    renames it into place; a process that loses the race discards its copy and uses the winner's.
+    """
+    _recipe(arch)
+    get_sizes(size)
+    final = cache_dir() / f"v{BUILDER_VERSION}" / f"{arch}-{size}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{arch}-{size}-", dir=final.parent))
+    try:
+        build_tiny_model(arch, staging, size=size)
+        os.rename(staging, final)  # atomic; fails if another process already put `final` there
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

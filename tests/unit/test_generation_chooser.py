@@ -1,0 +1,117 @@
+"""TokenChooser and choose_tokens: greedy fast path, TGI-style seeded sampling, reported logprobs."""
+
+import pytest
+import torch
+
+from tgi_vlm.generation.chooser import TokenChooser, choose_tokens
+from tgi_vlm.generation.logits_process import apply_repetition_penalty, apply_temperature, apply_top_k
+from tgi_vlm.pb.generate_pb2 import NextTokenChooserParameters
+
+VOCAB = 53
+
+
+def chooser(**params: object) -> TokenChooser:
+    return TokenChooser.from_params(NextTokenChooserParameters(**params), device="cpu")
+
+
+def step_logits(step: int, rows: int = 1) -> torch.Tensor:
+    """The same logits for a given step, whatever else is in the batch."""
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(1000 + step)) * 2
+
+
+def test_proto3_zeros_give_a_plain_greedy_chooser() -> None:
+    c = chooser()
+    assert c.is_greedy_plain and not c.do_sample
+    assert c.pipeline.temperature == 1.0 and c.pipeline.top_p == 1.0 and c.pipeline.repetition_penalty == 1.0
+
+
+def test_warpers_penalties_and_watermark_each_leave_the_plain_path() -> None:
+    assert chooser(temperature=0.5).do_sample  # TGI: any warper implies sampling
+    assert chooser(top_k=5).do_sample
+    assert not chooser(repetition_penalty=1.2).is_greedy_plain
+    assert not chooser(frequency_penalty=0.3).is_greedy_plain
+    assert not chooser(watermark=True).is_greedy_plain
+    assert not chooser(repetition_penalty=1.2).do_sample
+    assert chooser(top_p=1.0, typical_p=1.0, temperature=1.0).is_greedy_plain
+
+
+def test_seed_is_kept_as_given() -> None:
+    assert chooser(do_sample=True, seed=0).seed == 0
+    assert chooser(do_sample=True, seed=2**63 + 5).seed == 2**63 + 5
+
+
+def test_greedy_fast_path_equals_per_row_results() -> None:
+    logits = step_logits(0, rows=5)
+    batch = choose_tokens(logits, [chooser() for _ in range(5)], [[1]] * 5)
+    assert batch.ids == logits.argmax(-1).tolist()
+    expected_rows = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(batch.logprob_rows, expected_rows)
+    for i in range(5):
+        alone = choose_tokens(logits[i : i + 1], [chooser()], [[1]])
+        assert alone.ids == [batch.ids[i]]
+        assert alone.logprobs[0] == batch.logprobs[i]
+
+
+def test_greedy_row_is_unchanged_when_batched_with_sampling_rows() -> None:
+    logits = step_logits(1, rows=3)
+    mixed = choose_tokens(logits, [chooser(), chooser(do_sample=True, seed=3), chooser()], [[1]] * 3)
+    plain = choose_tokens(logits, [chooser()] * 3, [[1]] * 3)
+    assert [mixed.ids[0], mixed.ids[2]] == [plain.ids[0], plain.ids[2]]
+    torch.testing.assert_close(mixed.logprob_rows[[0, 2]], plain.logprob_rows[[0, 2]])
+
+
+def test_sampling_is_tgi_exponential_race_with_a_generator_seeded_once() -> None:
+    c = chooser(do_sample=True, seed=1234)
+    rng = torch.Generator().manual_seed(1234)
+    for step in range(5):
+        logits = step_logits(step)
+        probs = torch.softmax(logits[0], -1)
+        expected = (probs / torch.empty_like(probs).exponential_(1, generator=rng)).argmax().item()
+        assert choose_tokens(logits, [c], [[1]]).ids == [expected]
+
+
+def run_request(seed: int, companions: int, steps: int = 20) -> list[int]:
+    target = chooser(do_sample=True, seed=seed, temperature=0.9, top_k=30)
+    others = [chooser(do_sample=True, seed=seed + 1 + j, top_p=0.8) for j in range(companions)]
+    tokens = []
+    for step in range(steps):
+        rows = torch.cat([step_logits(step), step_logits(500 + step, rows=companions)])
+        tokens.append(choose_tokens(rows, [target, *others], [[1]] * (1 + companions)).ids[0])
+    return tokens
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
+    alone = run_request(seed=7, companions=0)
+    assert alone == run_request(seed=7, companions=0)
+    assert alone == run_request(seed=7, companions=3)
+    assert alone != run_request(seed=8, companions=0)
+
+
+def test_logprob_is_of_the_processed_scores_at_the_chosen_id() -> None:
+    logits = step_logits(2)
+    history = [3, 3, 9]
+    c = chooser(repetition_penalty=1.5, temperature=0.7, top_k=10, do_sample=True, seed=5)
+    chosen = choose_tokens(logits, [c], [history])
+    processed = apply_top_k(apply_temperature(apply_repetition_penalty(logits[0], torch.tensor(history), 1.5), 0.7), 10)
+    expected_rows = torch.log_softmax(processed, -1)
+    torch.testing.assert_close(chosen.logprob_rows[0], expected_rows)
+    assert chosen.logprobs[0] == expected_rows[chosen.ids[0]].item()
+    assert chosen.logprobs[0] > -float("inf")  # top-k filtered ids are never sampled
+
+
+def test_repetition_penalty_changes_the_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
+    assert choose_tokens(logits, [chooser()], [[1]]).ids == [1]
+    assert choose_tokens(logits, [chooser(repetition_penalty=1.2)], [[1]]).ids == [2]
+
+
+def test_low_precision_logits_choose_like_float32() -> None:
+    logits = step_logits(3, rows=4).to(torch.bfloat16)
+    chosen = choose_tokens(logits, [chooser()] * 4, [[1]] * 4, keep_logprob_rows=False)
+    assert chosen.ids == logits.float().argmax(-1).tolist()
+    assert chosen.logprob_rows is None
+
+
+def test_mismatched_batch_sizes_raise() -> None:
+    with pytest.raises(ValueError, match="2 logits rows, 1 choosers"):
+        choose_tokens(step_logits(0, rows=2), [chooser()], [[1]])
