@@ -92,7 +92,9 @@ def test_logprob_is_of_the_processed_scores_at_the_chosen_id() -> None:
     history = [3, 3, 9]
     c = chooser(repetition_penalty=1.5, temperature=0.7, top_k=10, do_sample=True, seed=5)
     chosen = choose_tokens(logits, [c], [history])
-    processed = apply_top_k(apply_temperature(apply_repetition_penalty(logits[0], torch.tensor(history), 1.5), 0.7), 10)
+    processed = apply_top_k(
+        apply_temperature(apply_repetition_penalty(logits[0], torch.tensor(history), 1.5), 0.7), 10
+    )
     expected_rows = torch.log_softmax(processed, -1)
     torch.testing.assert_close(chosen.logprob_rows[0], expected_rows)
     assert chosen.logprobs[0] == expected_rows[chosen.ids[0]].item()

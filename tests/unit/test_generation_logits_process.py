@@ -37,7 +37,9 @@ def random_history(rows: int = 4, length: int = 12, seed: int = 1) -> torch.Tens
 def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     scores, history = random_scores(), random_history()
     expected = RepetitionPenaltyLogitsProcessor(penalty)(history, scores.clone())
-    torch.testing.assert_close(apply_repetition_penalty(scores, history, penalty), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        apply_repetition_penalty(scores, history, penalty), expected, atol=1e-6, rtol=0
+    )
 
 
 def test_repetition_penalty_on_one_row_matches_the_batched_form() -> None:
@@ -110,7 +112,12 @@ def test_pipeline_applies_tgi_order_and_leaves_input_untouched() -> None:
     original = scores.clone()
     watermark = Watermark(0.5, 2.0, "cpu")
     pipeline = LogitsPipeline(
-        watermark=watermark, repetition_penalty=1.2, frequency_penalty=0.5, temperature=0.8, top_k=20, top_p=0.9
+        watermark=watermark,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
     )
     expected = watermark(scores, int(history[-1]))
     expected = apply_repetition_penalty(expected, history, 1.2)

@@ -37,7 +37,9 @@ def test_each_bad_value_is_reported_by_name(params: dict, message: str) -> None:
     assert problems(**params) == [message]
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"])
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty"]
+)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_floats_are_reported_once(name: str, value: float) -> None:
     assert problems(**{name: value}) == [f"{name} must be a finite number, got {value}"]
@@ -63,7 +65,16 @@ def test_proto3_zeros_mean_off() -> None:
 
 def test_set_values_are_kept() -> None:
     p = SamplingParameters.from_params(
-        NextTokenChooserParameters(temperature=0.5, top_k=7, top_p=0.25, do_sample=True, seed=99, watermark=True)
+        NextTokenChooserParameters(
+            temperature=0.5, top_k=7, top_p=0.25, do_sample=True, seed=99, watermark=True
+        )
     )
-    assert (p.temperature, p.top_k, p.top_p, p.do_sample, p.seed, p.watermark) == (0.5, 7, 0.25, True, 99, True)
+    assert (p.temperature, p.top_k, p.top_p, p.do_sample, p.seed, p.watermark) == (
+        0.5,
+        7,
+        0.25,
+        True,
+        99,
+        True,
+    )
     assert p.has_warpers

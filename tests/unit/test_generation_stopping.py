@@ -25,9 +25,9 @@ def test_length_stops_at_max_new_tokens() -> None:
     assert [stop(7, "x") for _ in range(3)] == [None, None, FinishReason.LENGTH]
 
 
-def test_eos_wins_over_length_on_the_last_token() -> None:
+def test_length_wins_over_eos_on_the_last_token_as_in_tgi() -> None:
     stop = StoppingCriteria({EOS}, max_new_tokens=1)
-    assert stop(EOS, "") is FinishReason.EOS_TOKEN
+    assert stop(EOS, "") is FinishReason.LENGTH
 
 
 def test_stop_sequence_split_across_tokens_is_found() -> None:
@@ -51,9 +51,9 @@ def test_stop_sequence_split_over_many_short_texts_after_long_output() -> None:
     assert stop(5, ">") is FinishReason.STOP_SEQUENCE
 
 
-def test_stop_sequence_wins_over_length() -> None:
+def test_length_wins_over_stop_sequence_as_in_tgi() -> None:
     stop = StoppingCriteria({EOS}, max_new_tokens=1, stop_sequences=["x"])
-    assert stop(5, "x") is FinishReason.STOP_SEQUENCE
+    assert stop(5, "x") is FinishReason.LENGTH
 
 
 def test_empty_stop_sequences_are_ignored() -> None:
@@ -64,4 +64,9 @@ def test_empty_stop_sequences_are_ignored() -> None:
 def test_from_params_reads_the_proto_fields() -> None:
     params = StoppingCriteriaParameters(max_new_tokens=4, stop_sequences=["END"], ignore_eos_token=True)
     stop = StoppingCriteria.from_params(params, eos_token_ids=[EOS, 3])
-    assert (stop.max_new_tokens, stop.stop_sequences, stop.ignore_eos, stop.eos_token_ids) == (4, ["END"], True, {2, 3})
+    assert (stop.max_new_tokens, stop.stop_sequences, stop.ignore_eos, stop.eos_token_ids) == (
+        4,
+        ["END"],
+        True,
+        {2, 3},
+    )

@@ -40,7 +40,9 @@ class IncrementalDetokenizer:
 
     def step(self, all_ids: Sequence[int]) -> str:
         """all_ids = prompt + every generated id so far → the new complete text ("" if none yet)."""
-        prefix_text = _decode(self.tokenizer, all_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        prefix_text = _decode(
+            self.tokenizer, all_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
         text = _decode(self.tokenizer, all_ids[self.prefix_offset :], self.skip_special_tokens)
         if len(text) <= len(prefix_text) or text.endswith(_INCOMPLETE):
             return ""

@@ -44,13 +44,14 @@ class StoppingCriteria:
         )
 
     def __call__(self, token_id: int, new_text: str) -> FinishReason | None:
+        # TGI's order: the length limit wins over an EOS or stop sequence on the last allowed token.
         self.current_tokens += 1
+        if self.current_tokens >= self.max_new_tokens:
+            return FinishReason.LENGTH
         if not self.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.EOS_TOKEN
         if self.stop_sequences and self._stop_sequence_found(new_text):
             return FinishReason.STOP_SEQUENCE
-        if self.current_tokens >= self.max_new_tokens:
-            return FinishReason.LENGTH
         return None
 
     def _stop_sequence_found(self, new_text: str) -> bool:

@@ -136,6 +136,8 @@ class FlashCausalLM(ShardModel):
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
         self.allocator: BlockAllocator | None = None
+        # Test/debug hook: called as observer(request_ids, logits[B, V]) with every sampled step's logits.
+        self.logits_observer = None
 
     # ----- loading-dependent accessors (overridden by VlmCausalLM) -----
     def find_language_model(self) -> torch.nn.Module:
@@ -328,6 +330,8 @@ class FlashCausalLM(ShardModel):
             return []
         last_rows = torch.tensor([w.row + w.end - w.start - 1 for w in samplers], device=hidden.device)
         logits = self.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
+        if self.logits_observer is not None:
+            self.logits_observer([w.seq.request_id for w in samplers], logits)
         chosen = choose_tokens(logits, [w.seq.chooser for w in samplers], [w.seq.all_ids for w in samplers])
         generations = []
         for i, w in enumerate(samplers):

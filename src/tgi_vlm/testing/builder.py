@@ -72,7 +72,20 @@ def _random_model(config, *, is_vlm: bool, seed: int) -> PreTrainedModel:
     auto_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
     torch.manual_seed(seed)
     model = auto_class.from_config(config, dtype=torch.float32)
+    _randomize_zero_matrices(model, std=config.get_text_config().initializer_range)
     return model.eval()
+
+
+@torch.no_grad()
+def _randomize_zero_matrices(model: PreTrainedModel, std: float) -> None:
+    """Give random values to weight matrices the library initializes to zero.
+
+    Gemma3's `mm_input_projection_weight` starts at zero, which makes every image embed to the
+    same vector, so images could not change the output. Norm weights (1-D) keep their init.
+    """
+    for param in model.parameters():
+        if param.dim() >= 2 and not param.any():
+            param.normal_(0.0, std)
 
 
 def cache_dir() -> Path:

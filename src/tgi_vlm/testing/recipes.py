@@ -413,7 +413,8 @@ def _llama4_config(tok: Tok, s: Sizes) -> PretrainedConfig:
     vision = {
         **_vision(s, image_size=_LLAMA4_TILE),
         "intermediate_size": shuffled,
-        "vision_output_dim": s.vision_hidden,
+        # pixel-shuffle MLP: intermediate → projector dims → (vision_output_dim) → text width
+        "vision_output_dim": s.hidden,
         "projector_input_dim": s.hidden,
         "projector_output_dim": s.hidden,
         "pixel_shuffle_ratio": 0.5,

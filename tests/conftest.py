@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny models built offline once per session, engines loaded once per module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_cache(tmp_path_factory):
+    """Build tiny models into a per-run directory unless the caller chose a cache."""
+    if "TGI_VLM_TINY_CACHE" not in os.environ:
+        os.environ["TGI_VLM_TINY_CACHE"] = str(tmp_path_factory.mktemp("tiny-models"))
+    yield
+
+
+def load_engine(arch: str, **config_overrides):
+    from tgi_vlm.config import EngineConfig
+    from tgi_vlm.models import get_model
+    from tgi_vlm.testing import tiny_model_path
+
+    config = EngineConfig(device="cpu", cpu_kv_cache_bytes=32 << 20, **config_overrides)
+    return get_model(str(tiny_model_path(arch)), config)

@@ -1,0 +1,135 @@
+"""The text engine produces exactly transformers' greedy tokens (logits within 1e-4) under batching,
+joining, filtering and chunked prefill, and gives every KV block back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import load_engine
+from tests.models.reference import assert_matches, hf_greedy
+from tgi_vlm.testing import tiny_model_path
+from tgi_vlm.testing.harness import Runner, make_request
+
+PROMPTS = [
+    "hello world this is",
+    "the quick brown fox jumps over the lazy dog and then some more words follow here",
+    "a",
+    "numbers 1 2 3 and 4",
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def engine(arch):
+    return load_engine(arch)
+
+
+@pytest.fixture(scope="module")
+def reference(arch):
+    path = tiny_model_path(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cache = {}
+
+    def ref(text: str, n: int):
+        if (text, n) not in cache:
+            cache[(text, n)] = hf_greedy(model, dict(tokenizer(text, return_tensors="pt")), n)
+        return cache[(text, n)]
+
+    return ref
+
+
+@pytest.fixture
+def runner(engine):
+    r = Runner(engine)
+    yield r
+    if r.batch is not None:
+        r.batch.release()
+    assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
+    engine.prefill_budget = 4096
+
+
+def test_one_request(runner, reference):
+    runner.prefill([make_request(0, PROMPTS[0], max_new_tokens=10)])
+    runner.run()
+    assert_matches(runner, 0, reference(PROMPTS[0], 10))
+    assert runner.finished[0].generated_tokens == 10
+
+
+def test_four_requests_of_different_lengths_in_one_batch(runner, reference):
+    lengths = [5, 9, 3, 7]
+    runner.prefill([make_request(i, p, max_new_tokens=n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))])
+    runner.run()
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        assert_matches(runner, i, reference(p, n))
+
+
+def test_request_joins_decoding_batch_through_prefill_with_cached_batch(runner, reference):
+    runner.prefill([make_request(0, PROMPTS[1], max_new_tokens=8)])
+    runner.step()
+    runner.step()
+    runner.prefill([make_request(1, PROMPTS[0], max_new_tokens=6)], batch_id=2)  # one forward: decode + prefill
+    runner.run()
+    assert_matches(runner, 0, reference(PROMPTS[1], 8))
+    assert_matches(runner, 1, reference(PROMPTS[0], 6))
+
+
+def test_request_joins_through_separate_prefill_then_decode_of_both(engine, runner, reference):
+    runner.prefill([make_request(0, PROMPTS[1], max_new_tokens=8)])
+    runner.step()
+    other = Runner(engine)
+    other.logits = runner.logits  # one observer records both batches
+    other.tokens = runner.tokens
+    other.prefill([make_request(1, PROMPTS[3], max_new_tokens=5)], batch_id=2)  # Prefill(new) alone
+    runner.batch = engine.concatenate([runner.batch, other.batch])  # Decode([old, new])
+    engine.logits_observer = runner._observe
+    runner.run()
+    assert_matches(runner, 0, reference(PROMPTS[1], 8))
+    assert_matches(runner, 1, reference(PROMPTS[3], 5))
+
+
+def test_filter_drops_a_request_mid_decode(runner, reference):
+    runner.prefill([make_request(i, p, max_new_tokens=8) for i, p in enumerate(PROMPTS[:3])])
+    runner.step()
+    runner.filter([0, 2])
+    runner.run()
+    assert_matches(runner, 0, reference(PROMPTS[0], 8))
+    assert_matches(runner, 2, reference(PROMPTS[2], 8))
+    assert len(runner.tokens[1]) == 2
+
+
+def test_filter_drops_a_request_mid_prefill(engine, runner, reference):
+    engine.prefill_budget = 4
+    runner.prefill([make_request(0, PROMPTS[0], max_new_tokens=6), make_request(1, PROMPTS[1], max_new_tokens=6, chunk_len=4)])
+    assert 1 not in runner.tokens  # still prefilling: no generation yet
+    runner.filter([0])
+    runner.run()
+    assert_matches(runner, 0, reference(PROMPTS[0], 6))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_chunked_prefill(engine, runner, reference, chunk):
+    engine.prefill_budget = chunk
+    prompt = PROMPTS[1]
+    runner.prefill([make_request(0, prompt, max_new_tokens=6, chunk_len=chunk)])
+    prompt_len = len(engine.tokenizer(prompt)["input_ids"])
+    steps_without_output = 0
+    while 0 not in runner.tokens:
+        steps_without_output += 1
+        runner.step()
+    assert steps_without_output == -(-prompt_len // chunk) - 1 if chunk < prompt_len else steps_without_output == 0
+    runner.run()
+    assert_matches(runner, 0, reference(prompt, 6))
+
+
+def test_current_tokens_reports_the_next_forward(engine, runner):
+    engine.prefill_budget = 5
+    runner.prefill([make_request(0, PROMPTS[1], max_new_tokens=4, chunk_len=3), make_request(1, PROMPTS[0], max_new_tokens=4)])
+    # request 1 prefilled and decodes (1 token); request 0 continues with 5 - 1 = 4 tokens
+    assert runner.batch.to_pb().current_tokens == 1 + 4
