@@ -78,6 +78,11 @@ class ShardModel:
     `filter(request_ids) -> batch`, `release()` (frees KV blocks and encoder entries), and the
     class method `concatenate(batches) -> batch`. All methods run on one thread at a time: the
     service serializes every call that touches the model.
+
+    Ownership as the service relies on it: `release()` is idempotent. `concatenate` consumes its
+    inputs (the result owns their resources; if it raises, the service releases the inputs). When
+    `generate_token` raises, the service releases the batch it was given and never caches it;
+    when it returns None as the next batch, the service releases the batch it was given.
     """
 
     def batch_from_pb(self, pb: generate_pb2.Batch):  # -> Batch; raises InvalidBatch

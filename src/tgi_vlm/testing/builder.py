@@ -21,6 +21,8 @@ from tgi_vlm.testing.sizes import get_sizes
 from tgi_vlm.testing.tokenizer import build_tokenizer
 
 ARCHS: tuple[str, ...] = tuple(RECIPES)
+TEXT_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if not recipe.is_vlm)
+VLM_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if recipe.is_vlm)
 
 # Bump when a build changes (recipes, sizes, tokenizer), so cached models are rebuilt.
 BUILDER_VERSION = 1
@@ -42,11 +44,16 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
     `AutoProcessor` + `AutoModelForImageTextToText` (VLMs) or `AutoTokenizer` +
     `AutoModelForCausalLM` (llama, qwen2). The same `arch`, `size` and `seed` give the same files.
 
-    Sizes (parameter counts as built with seed 0):
-      - "tiny": text 64 wide, 2 layers, 4 query / 2 KV heads of 16, vision towers 32 wide;
-        0.2-0.5M parameters (PaliGemma ~0.4M: its 1,152 <loc>/<seg> tokens), ~1-2 MB, 1-3 s.
-      - "bench": text 768 wide, 12 layers, 12 query / 4 KV heads of 64, MLP 2560, vocab ~3.8k:
-        llama ≈ 96M parameters; qwen2_vl ≈ 99M (vision tower depth 4, 256 wide).
+    Sizes (parameter counts as built; the tokenizer is trained on a seeded generated corpus):
+      - "tiny": text 64 wide, 2 layers, 4 query / 2 KV heads of 16, MLP 128, vision towers 32
+        wide with 2 layers; vocab ~660 (PaliGemma ~1.8k with its 1,152 <loc>/<seg> tokens);
+        0.16-0.28M parameters, 0.6-1.1 MB, built in ~0.1-0.4 s once transformers is imported.
+        Images are resized to at most 112 px a side, so a 20×20 image is 4-20 image tokens.
+      - "bench": text 768 wide, 12 layers, 12 query / 4 KV heads of 64, MLP 2560, vocab ~3.8k,
+        vision towers 256 wide with 4 layers: llama 95.4M, qwen2 95.5M, qwen2_vl 100.8M
+        (images up to 448 px a side → ≤ 256 image tokens), the other VLMs 96-110M, llama4 171M
+        (two MoE experts on every other layer); ~370 MB, 3-7 s. Init std 0.05 (tiny: 0.3) keeps
+        greedy output varied at this depth.
     """
     recipe = _recipe(arch)
     sizes = get_sizes(size)
@@ -70,9 +77,10 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
 
 def _random_model(config, *, is_vlm: bool, seed: int) -> PreTrainedModel:
     auto_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = auto_class.from_config(config, dtype=torch.float32)
-    _randomize_zero_matrices(model, std=config.get_text_config().initializer_range)
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = auto_class.from_config(config, dtype=torch.float32)
+        _randomize_zero_matrices(model, std=config.get_text_config().initializer_range)
     return model.eval()
 
 
@@ -109,6 +117,7 @@ def tiny_model_path(arch: str, *, size: str = "tiny") -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{arch}-{size}-", dir=final.parent))
     try:
         build_tiny_model(arch, staging, size=size)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         os.rename(staging, final)  # atomic; fails if another process already put `final` there
     except OSError:
         if not (final / "config.json").is_file():

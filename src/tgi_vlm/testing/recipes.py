@@ -30,7 +30,7 @@ from transformers import (
     LlavaNextProcessor,
     PaliGemmaConfig,
     PaliGemmaProcessor,
-    PretrainedConfig,
+    PreTrainedConfig,
     PreTrainedTokenizerFast,
     ProcessorMixin,
     Qwen2_5_VLConfig,
@@ -51,7 +51,7 @@ from tgi_vlm.testing.sizes import Sizes
 from tgi_vlm.testing.tokenizer import TokenizerSpec
 
 Tok = PreTrainedTokenizerFast
-ConfigFn = Callable[[Tok, Sizes], PretrainedConfig]
+ConfigFn = Callable[[Tok, Sizes], PreTrainedConfig]
 ProcessorFn = Callable[[Tok, Sizes], ProcessorMixin]
 
 
@@ -70,7 +70,11 @@ class Recipe:
 
 
 def _ids(tok: Tok) -> dict[str, Any]:
-    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    return {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
 
 
 def _text(tok: Tok, s: Sizes, **overrides: Any) -> dict[str, Any]:
@@ -129,11 +133,11 @@ def _gemma_tokens(**extra: str) -> TokenizerSpec:
 # ---- text-only -------------------------------------------------------------------------------
 
 
-def _llama_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _llama_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return LlamaConfig(**_text(tok, s))
 
 
-def _qwen2_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _qwen2_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return Qwen2Config(**_text(tok, s))
 
 
@@ -163,7 +167,7 @@ def _qwen_vl_ids(tok: Tok) -> dict[str, int]:
     }
 
 
-def _qwen2_vl_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _qwen2_vl_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     vision = {
         "depth": s.vision_layers,
         "embed_dim": s.vision_hidden,
@@ -176,7 +180,7 @@ def _qwen2_vl_config(tok: Tok, s: Sizes) -> PretrainedConfig:
     )
 
 
-def _qwen2_5_vl_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _qwen2_5_vl_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     vision = {
         "depth": s.vision_layers,
         "hidden_size": s.vision_hidden,
@@ -203,13 +207,17 @@ def _qwen_vl_video_processor(s: Sizes) -> Qwen2VLVideoProcessor:
 
 def _qwen2_vl_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
     return Qwen2VLProcessor(
-        image_processor=_qwen_vl_image_processor(s), tokenizer=tok, video_processor=_qwen_vl_video_processor(s)
+        image_processor=_qwen_vl_image_processor(s),
+        tokenizer=tok,
+        video_processor=_qwen_vl_video_processor(s),
     )
 
 
 def _qwen2_5_vl_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
     return Qwen2_5_VLProcessor(
-        image_processor=_qwen_vl_image_processor(s), tokenizer=tok, video_processor=_qwen_vl_video_processor(s)
+        image_processor=_qwen_vl_image_processor(s),
+        tokenizer=tok,
+        video_processor=_qwen_vl_video_processor(s),
     )
 
 
@@ -219,7 +227,7 @@ _LLAVA_TILE = 28  # CLIP input side: 2×2 patches of 14 px
 _LLAVA_PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # must match in config and image processor
 
 
-def _llava_next_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _llava_next_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     vision = CLIPVisionConfig(**_vision(s, image_size=_LLAVA_TILE, projection_dim=s.vision_hidden))
     text = {"model_type": "llama", **_text(tok, s)}
     return LlavaNextConfig(
@@ -268,7 +276,7 @@ def _idefics_tokens(**extra: str) -> TokenizerSpec:
     return TokenizerSpec(named=base.named, extra=base.extra, other=_ROW_COL_TOKENS)
 
 
-def _idefics2_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _idefics2_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     perceiver = {
         "hidden_size": s.hidden,
         "resampler_n_latents": _IDEFICS_IMAGE_SEQ_LEN,
@@ -292,7 +300,9 @@ def _idefics2_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
     image_processor = Idefics2ImageProcessor(
         size={"shortest_edge": 28, "longest_edge": _IDEFICS_TILE}, do_image_splitting=False
     )
-    return Idefics2Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=_IDEFICS_IMAGE_SEQ_LEN)
+    return Idefics2Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=_IDEFICS_IMAGE_SEQ_LEN
+    )
 
 
 def _idefics3_kwargs(tok: Tok, s: Sizes) -> dict[str, Any]:
@@ -305,11 +315,11 @@ def _idefics3_kwargs(tok: Tok, s: Sizes) -> dict[str, Any]:
     }
 
 
-def _idefics3_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _idefics3_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return Idefics3Config(**_idefics3_kwargs(tok, s))
 
 
-def _smolvlm_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _smolvlm_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return SmolVLMConfig(**_idefics3_kwargs(tok, s))
 
 
@@ -320,7 +330,9 @@ def _splitting_sizes(s: Sizes) -> dict[str, Any]:
 
 def _idefics3_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
     image_processor = Idefics3ImageProcessor(**_splitting_sizes(s))
-    return Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=_IDEFICS_IMAGE_SEQ_LEN)
+    return Idefics3Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_len=_IDEFICS_IMAGE_SEQ_LEN
+    )
 
 
 def _smolvlm_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
@@ -337,7 +349,7 @@ def _smolvlm_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
 _PALIGEMMA_SIDE = 28  # 2×2 patches → 4 image tokens
 
 
-def _paligemma_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _paligemma_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     vision = _vision(s, image_size=_PALIGEMMA_SIDE, projection_dim=s.hidden)
     text = _text(tok, s, model_type="gemma", hidden_activation="gelu_pytorch_tanh")
     return PaliGemmaConfig(
@@ -364,7 +376,7 @@ _GEMMA3_SIDE = 56  # 4×4 patches, average-pooled to mm_tokens_per_image (a perf
 _GEMMA3_TOKENS_PER_IMAGE = 4
 
 
-def _gemma3_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _gemma3_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     text = _text(
         tok,
         s,
@@ -387,7 +399,9 @@ def _gemma3_config(tok: Tok, s: Sizes) -> PretrainedConfig:
 
 def _gemma3_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
     image_processor = Gemma3ImageProcessor(size={"height": _GEMMA3_SIDE, "width": _GEMMA3_SIDE})
-    return Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=_GEMMA3_TOKENS_PER_IMAGE)
+    return Gemma3Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_length=_GEMMA3_TOKENS_PER_IMAGE
+    )
 
 
 # ---- Llama 4 ---------------------------------------------------------------------------------
@@ -408,7 +422,7 @@ _LLAMA4_TOKENS = TokenizerSpec(
 )
 
 
-def _llama4_config(tok: Tok, s: Sizes) -> PretrainedConfig:
+def _llama4_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     shuffled = 4 * s.vision_hidden  # hidden / pixel_shuffle_ratio²
     vision = {
         **_vision(s, image_size=_LLAMA4_TILE),
@@ -439,8 +453,12 @@ def _llama4_config(tok: Tok, s: Sizes) -> PretrainedConfig:
 
 
 def _llama4_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
-    image_processor = Llama4ImageProcessor(size={"height": _LLAMA4_TILE, "width": _LLAMA4_TILE}, max_patches=4)
-    return Llama4Processor(image_processor=image_processor, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5)
+    image_processor = Llama4ImageProcessor(
+        size={"height": _LLAMA4_TILE, "width": _LLAMA4_TILE}, max_patches=4
+    )
+    return Llama4Processor(
+        image_processor=image_processor, tokenizer=tok, patch_size=14, pixel_shuffle_ratio=0.5
+    )
 
 
 RECIPES: dict[str, Recipe] = {
@@ -454,7 +472,9 @@ RECIPES: dict[str, Recipe] = {
     "smolvlm": Recipe(_idefics_tokens(video_token="<video>"), _smolvlm_config, _smolvlm_processor),
     "paligemma": Recipe(_gemma_tokens(image_token="<image>"), _paligemma_config, _paligemma_processor),
     "gemma3": Recipe(
-        _gemma_tokens(image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>"),
+        _gemma_tokens(
+            image_token="<image_soft_token>", boi_token="<start_of_image>", eoi_token="<end_of_image>"
+        ),
         _gemma3_config,
         _gemma3_processor,
     ),

@@ -39,13 +39,25 @@ _NON_ASCII = (
 
 _PUNCTUATION = (".", ",", "?", "!", ":", ";", "...", " -", "'s", '"', "(", ")")
 
+_SYLLABLES = (
+    "ka ri to na me lo su vi en ar on st th ch sh qu pre con ing ion er al ly ment ness able "
+    "tra gen dor mal pix vel ox zen "
+).split()
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    """A made-up word, so larger vocabularies (bench size) still find pairs to merge."""
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))
+
 
 def _sentence(rng: random.Random) -> str:
     words = []
     for _ in range(rng.randint(4, 14)):
         roll = rng.random()
-        if roll < 0.80:
+        if roll < 0.70:
             word = rng.choice(_WORDS)
+        elif roll < 0.80:
+            word = _pseudo_word(rng)
         elif roll < 0.90:
             word = str(rng.randint(0, 10 ** rng.randint(1, 5)))
         else:
@@ -92,7 +104,8 @@ def build_tokenizer(spec: TokenizerSpec, *, seed: int = 0, num_merges: int = 400
         min_frequency=2,
         show_progress=False,
     )
-    backend.train_from_iterator(generate_corpus(seed), trainer=trainer)
+    num_lines = max(800, 2 * num_merges)  # more merges need more text to find frequent pairs
+    backend.train_from_iterator(generate_corpus(seed, num_lines), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         **spec.named,

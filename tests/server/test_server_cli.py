@@ -1,0 +1,157 @@
+"""The CLI as TGI's launcher calls it: accepted flags, refused features, download-weights checks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from loguru import logger
+from typer.testing import CliRunner
+
+from tgi_vlm import cli
+
+runner = CliRunner()
+CLEAN_ENV = {"WORLD_SIZE": None, "RANK": None, "LORA_ADAPTERS": None, "TGI_VLM_DEVICE": "cpu", "ATTENTION": None}
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    yield
+    logger.remove()  # the commands point loguru at the runner's (now closed) streams
+    logger.add(sys.stderr)
+
+
+@pytest.fixture
+def served(monkeypatch) -> list:
+    """Configs that reached the server, which is never started."""
+    configs: list = []
+    monkeypatch.setattr(cli, "run_server", configs.append)
+    return configs
+
+
+def invoke(*args: str, env: dict | None = None):
+    return runner.invoke(cli.app, list(args), env={**CLEAN_ENV, **(env or {})})
+
+
+def model_dir(tmp_path: Path, *files: str) -> Path:
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    return tmp_path
+
+
+def test_serve_accepts_every_flag_the_launcher_passes(served):
+    result = invoke(
+        "serve", "/models/m", "--uds-path", "/tmp/tgs", "--logger-level", "WARN", "--json-output",
+        "--trust-remote-code", "--dtype", "bfloat16", "--revision", "abc", "--otlp-endpoint", "http://otel:4317",
+        "--otlp-service-name", "svc", "--max-input-tokens", "100", "--speculate", "0",
+    )
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.model_id, config.uds_path, config.json_output, config.max_input_tokens) == (
+        "/models/m", "/tmp/tgs", True, 100)
+    assert (config.otlp_endpoint, config.otlp_service_name) == ("http://otel:4317", "svc")
+    assert (config.engine.dtype, config.engine.revision, config.engine.trust_remote_code) == ("bfloat16", "abc", True)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--quantize", "awq"], {}, "--quantize awq is not supported"),
+        (["--speculate", "2"], {}, "--speculate 2 is not supported"),
+        (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
+        (["--lora-adapters", "a/b"], {}, "LoRA adapters (a/b) are not supported"),
+        ([], {"LORA_ADAPTERS": "c/d"}, "LoRA adapters (c/d) are not supported"),
+        (["--sharded"], {}, "tensor parallelism is not supported"),
+        ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
+    ],
+)
+def test_serve_refuses_unsupported_features_with_exit_code_1(served, args, env, message):
+    result = invoke("serve", "/models/m", *args, env=env)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert served == []
+
+
+def test_serve_errors_are_json_records_with_json_output(served):
+    result = invoke("serve", "/models/m", "--json-output", "--quantize", "gptq")
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["record"]["level"]["name"] == "ERROR"
+    assert "--quantize gptq" in record["text"]
+
+
+def test_serve_refuses_an_unknown_dtype(served):
+    result = invoke("serve", "/models/m", "--dtype", "float64")
+    assert result.exit_code != 0 and served == []
+
+
+def test_serve_refuses_an_unknown_logger_level(served):
+    result = invoke("serve", "/models/m", "--logger-level", "LOUD")
+    assert result.exit_code == 1 and "LOUD" in result.output
+
+
+@pytest.mark.parametrize("model_id", ["../etc", "org/../x", "/models/../../etc"])
+def test_model_ids_with_parent_directory_components_are_refused(model_id, served):
+    for command in ("download-weights", "serve"):
+        result = invoke(command, model_id)
+        assert result.exit_code == 1 and "contains '..'" in result.output
+
+
+def test_download_weights_accepts_a_local_directory_with_config_and_safetensors(tmp_path):
+    path = model_dir(tmp_path, "config.json", "model.safetensors")
+    result = invoke("download-weights", str(path), "--extension", ".safetensors", "--json-output")
+    assert result.exit_code == 0, result.output
+
+
+def test_download_weights_refuses_a_directory_with_only_pickle_weights(tmp_path):
+    path = model_dir(tmp_path, "config.json", "pytorch_model.bin")
+    result = invoke("download-weights", str(path))
+    assert result.exit_code == 1
+    assert "no *.safetensors" in result.output and "pickle .bin weights are not loaded" in result.output
+
+
+def test_download_weights_refuses_a_directory_without_config(tmp_path):
+    result = invoke("download-weights", str(model_dir(tmp_path, "model.safetensors")))
+    assert result.exit_code == 1 and "no config.json" in result.output
+
+
+def test_download_weights_refuses_a_missing_local_directory(tmp_path):
+    result = invoke("download-weights", str(tmp_path / "absent"))
+    assert result.exit_code == 1 and "does not exist" in result.output
+
+
+def test_download_weights_refuses_lora_merging_and_other_extensions(tmp_path):
+    path = str(model_dir(tmp_path, "config.json", "model.safetensors"))
+    assert invoke("download-weights", path, "--merge-lora").exit_code == 1
+    assert invoke("download-weights", path, "--extension", ".bin").exit_code == 1
+
+
+def test_download_weights_fetches_config_tokenizer_and_safetensors_only_from_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot(**kwargs):
+        calls.append(kwargs)
+        return str(model_dir(tmp_path, "config.json", "model.safetensors"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    result = invoke("download-weights", "org/model", "--revision", "v1")
+    assert result.exit_code == 0, result.output
+    (call,) = calls
+    assert (call["repo_id"], call["revision"]) == ("org/model", "v1")
+    assert "*.safetensors" in call["allow_patterns"] and "*.json" in call["allow_patterns"]
+    assert not any(p.endswith((".bin", ".py")) for p in call["allow_patterns"])
+
+
+def test_download_weights_offline_is_a_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    result = invoke("download-weights", "org/model")
+    assert result.exit_code == 1
+    assert "could not download 'org/model'" in result.output and "network is unreachable" in result.output
