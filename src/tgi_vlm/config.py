@@ -89,6 +89,8 @@ class EngineConfig:
     watermark_delta: float = 2.0
     trust_remote_code: bool = False
     revision: str | None = None
+    # Cross-request vision-encoder cache (content-hash LRU), bytes; 0 disables it.
+    encoder_cache_bytes: int = 256 << 20
     limits: InputLimits = field(default_factory=InputLimits)
 
     @property
@@ -117,6 +119,7 @@ class EngineConfig:
             request_logprobs=_flag(env, "REQUEST_LOGPROBS", False),
             watermark_gamma=_float(env, "WATERMARK_GAMMA", 0.5),
             watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),
+            encoder_cache_bytes=int(_float(env, "TGI_VLM_ENCODER_CACHE_MB", 256) * (1 << 20)),
             limits=InputLimits.from_env(env),
         )
         values.update(overrides)

@@ -41,6 +41,10 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.num_computed < self.prompt_len
 
+    def align_chunk(self, n: int) -> int:
+        """Adjust a prefill chunk of n tokens (subclasses keep attention blocks whole)."""
+        return n
+
     @property
     def remaining_prompt(self) -> int:
         return self.prompt_len - self.num_computed

@@ -32,7 +32,7 @@ def schedule(seqs: list[Sequence], prefill_budget: int | None) -> list[int]:
             n = seq.remaining_prompt if seq.first_chunk_len is None else min(seq.first_chunk_len, seq.remaining_prompt)
         else:
             n = min(seq.remaining_prompt, max(left, 1))
-        sizes[i] = max(n, 1)
+        sizes[i] = seq.align_chunk(max(n, 1))
         if left is not None:
             left -= sizes[i]
     return sizes

@@ -53,9 +53,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     _masks: dict = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+    def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_kv] bool: True where the decode query may attend."""
-        key = ("decode", sliding_window)
+        key = ("decode", sliding_window, chunk_size)
         if key not in self._masks:
             group = self.decode
             positions = torch.arange(group.slot_index.shape[1], device=group.slot_index.device)
@@ -63,26 +63,31 @@ class AttentionMetadata:
             mask = positions[None, :] < lens
             if sliding_window:
                 mask &= positions[None, :] > lens - 1 - sliding_window
+            if chunk_size:  # Llama4 chunked attention: only keys in the query's own chunk
+                mask &= positions[None, :] >= ((lens - 1) // chunk_size) * chunk_size
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
-    def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor:
+    def prefill_mask(self, index: int, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[1, 1, q_len, kv_len] bool for prefill span `index`."""
-        key = (index, sliding_window)
+        key = (index, sliding_window, chunk_size)
         if key not in self._masks:
-            self._masks[key] = _span_mask(self.prefills[index], sliding_window)
+            self._masks[key] = _span_mask(self.prefills[index], sliding_window, chunk_size)
         return self._masks[key]
 
 
-def _span_mask(span: PrefillSpan, sliding_window: int | None) -> torch.Tensor:
+def _span_mask(span: PrefillSpan, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:
     device = span.slot_index.device
     k_pos = torch.arange(span.kv_len, device=device)
     q_pos = k_pos[span.kv_len - span.q_len :]
     mask = k_pos[None, :] <= q_pos[:, None]
-    if sliding_window:
-        mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
     groups = span.bidirectional_groups
     if groups is not None:
         q_groups = groups[span.kv_len - span.q_len :]
         mask |= (q_groups[:, None] == groups[None, :]) & (q_groups[:, None] >= 0)
+    # transformers' composition: AND(window, OR(causal, bidirectional block))
+    if sliding_window:
+        mask &= q_pos[:, None] - k_pos[None, :] < sliding_window
+    if chunk_size:
+        mask &= (q_pos[:, None] // chunk_size) == (k_pos[None, :] // chunk_size)
     return mask[None, None]

@@ -35,24 +35,37 @@ def torch_paged_attention(
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty_like(q)
+    chunk = attention_chunk_size(module)
     if meta.decode is not None:
-        _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window)
+        _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk)
     for index, span in enumerate(meta.prefills):
         q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
         k_span = k_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
         v_span = v_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)
-        mask = meta.prefill_mask(index, sliding_window)
+        mask = meta.prefill_mask(index, sliding_window, chunk)
         o = F.scaled_dot_product_attention(q_span, k_span, v_span, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1)
     return out[None], None
 
 
-def _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window) -> None:
+def attention_chunk_size(module: torch.nn.Module) -> int | None:
+    """Chunked-attention layers (Llama4) attend only within fixed position chunks; read once per module."""
+    size = getattr(module, "_tgi_vlm_chunk_size", False)
+    if size is False:
+        config = module.config
+        layer_types = getattr(config, "layer_types", None) or []
+        chunked = module.layer_idx < len(layer_types) and layer_types[module.layer_idx] == "chunked_attention"
+        size = getattr(config, "attention_chunk_size", None) if chunked else None
+        module._tgi_vlm_chunk_size = size
+    return size
+
+
+def _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk) -> None:
     group = meta.decode
     q_dec = (q if group.rows_are_all else q[group.rows])[:, :, None, :]  # [B, Hq, 1, D]
     k_dec = k_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, max_kv, D]
     v_dec = v_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)
-    mask = meta.decode_mask(sliding_window)
+    mask = meta.decode_mask(sliding_window, chunk)
     o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=mask, scale=scaling, enable_gqa=True)
     if group.rows_are_all:
         out.copy_(o[:, :, 0])

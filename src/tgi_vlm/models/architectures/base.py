@@ -1,0 +1,101 @@
+"""The per-architecture adapter: everything that differs between VLMs, and nothing else.
+
+Shared code (vlm_causal_lm.py) asks the adapter for the placeholder of one image, the processor
+outputs, the vision features of a list of images, position ids and the attention pattern. The
+defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
+overrides only what differs.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+# Processor outputs that are not pixel inputs of the vision tower.
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels")
+
+
+class VlmAdapter:
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # Gemma3/PaliGemma: some tokens attend both ways; chunks must not split those blocks.
+    has_bidirectional_blocks: ClassVar[bool] = False
+
+    def __init__(self, model: torch.nn.Module, processor, hf_config):
+        self.model = model
+        self.processor = processor
+        self.config = hf_config
+        self.tokenizer = processor.tokenizer
+        token_id = getattr(hf_config, "image_token_id", None)
+        self.image_token_id = int(token_id if token_id is not None else hf_config.image_token_index)
+
+    # ----- prompt -----
+    def image_placeholder(self) -> str:
+        """Text standing for one image in the prompt; the processor expands it."""
+        return self.processor.image_token
+
+    def build_prompt(self, parts: list[str | None]) -> str:
+        """Prompt text from the request's chunks in order (None marks an image)."""
+        return "".join(self.image_placeholder() if p is None else p for p in parts)
+
+    def process(self, text: str, images: list) -> dict:
+        """The processor on the whole prompt: token ids (placeholders expanded) and side inputs."""
+        kwargs = {"images": images} if images else {}
+        return dict(self.processor(text=[text], return_tensors="pt", **kwargs))
+
+    def image_inputs(self, image) -> tuple[dict, int]:
+        """This image alone through the processor: (pixel inputs, number of embedding tokens).
+
+        The count comes from the processor's own expansion, so it cannot drift from the prompt.
+        """
+        out = self.processor(text=[self.image_placeholder()], images=[image], return_tensors="pt")
+        count = int((out["input_ids"] == self.image_token_id).sum())
+        return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
+
+    # ----- vision tower -----
+    def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
+        """Vision features `[num_embed_i, hidden]` for each image, in order."""
+        return [self._encode_one(p) for p in pixel_inputs]
+
+    def _encode_one(self, pixels: dict) -> torch.Tensor:
+        device, dtype = self.vision_device_dtype()
+        kwargs = {k: _to(v, device, dtype) for k, v in pixels.items()}
+        features = self.model.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        return flatten_features(features)
+
+    def vision_device_dtype(self) -> tuple[torch.device, torch.dtype]:
+        param = next(self.model.parameters())
+        return param.device, param.dtype
+
+    # ----- language model -----
+    def language_model(self) -> torch.nn.Module:
+        """The text decoder (called directly with packed inputs_embeds)."""
+        return self.model.get_decoder()
+
+    def prompt_extras(self, processed: dict, input_ids: list[int], spans: list) -> dict:
+        """Per-sequence state the adapter needs later (e.g. mrope positions); stored on the sequence."""
+        return {}
+
+    def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
+        """[prompt_len] group id per position (-1 = causal), or None when the model is plain causal."""
+        return None
+
+    def position_ids(self, step, seqs_extras) -> torch.Tensor | None:
+        """Position ids for the step, or None for plain absolute positions."""
+        return None
+
+    position_offset: ClassVar[int] = 0  # PaliGemma counts positions from 1
+
+
+def flatten_features(features) -> torch.Tensor:
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return features.reshape(-1, features.shape[-1])
+
+
+def _to(value, device, dtype):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point():
+        return value.to(device=device, dtype=dtype)
+    return value.to(device=device)

@@ -1,0 +1,42 @@
+"""Llama4: images become tiles of `<|patch|>` tokens between `<|image_start|>`/`<|image_end|>`;
+the vision model's output goes through the multi-modal projector; some text layers use chunked
+attention (handled by the attention backend from `layer_types`)."""
+
+from __future__ import annotations
+
+import torch
+
+from tgi_vlm.models.architectures.base import VlmAdapter, _to, flatten_features
+from tgi_vlm.models.architectures.registry import register
+
+
+@register
+class Llama4Adapter(VlmAdapter):
+    model_types = ("llama4",)
+
+    def __init__(self, model, processor, hf_config):
+        super().__init__(model, processor, hf_config)
+        _work_around_missing_image_outputs()
+
+    def _encode_one(self, pixels: dict) -> torch.Tensor:
+        device, dtype = self.vision_device_dtype()
+        model = self.model
+        out = model.get_image_features(pixel_values=_to(pixels["pixel_values"], device, dtype))
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        return flatten_features(model.multi_modal_projector(hidden))
+
+    def language_model(self) -> torch.nn.Module:
+        # Llama4's get_decoder() returns the causal-LM wrapper; we need its inner text model.
+        return self.model.language_model.model
+
+
+def _work_around_missing_image_outputs() -> None:
+    """transformers 5.24 bug: Llama4ForConditionalGeneration.forward reads `outputs.image_outputs`
+    from the MoeCausalLMOutputWithPast its language model returns, which has no such field, so every
+    dict-returning forward (and `generate`) raises AttributeError. Our engine never calls that forward;
+    a class-level default keeps transformers' own forward usable next to us (reference checks)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    if not hasattr(MoeCausalLMOutputWithPast, "image_outputs"):
+        MoeCausalLMOutputWithPast.image_outputs = None

@@ -1,0 +1,36 @@
+"""PaliGemma: the prompt is `<image>`×N + `<bos>` + text + `\\n` (the processor builds it when the
+images come first), the whole prefix (image + prompt) attends both ways, and positions start at 1."""
+
+from __future__ import annotations
+
+import torch
+
+from tgi_vlm.models.architectures.base import VlmAdapter
+from tgi_vlm.models.architectures.registry import register
+
+
+@register
+class PaliGemmaAdapter(VlmAdapter):
+    model_types = ("paligemma",)
+    has_bidirectional_blocks = True
+    position_offset = 1
+
+    def build_prompt(self, parts: list[str | None]) -> str:
+        # PaliGemma's convention: images first, then the text; the processor adds <bos> and "\n".
+        return "".join(p for p in parts if p is not None)
+
+    def process(self, text: str, images: list) -> dict:
+        out = dict(self.processor(text=[text], images=[images] if images else None, return_tensors="pt"))
+        out.pop("labels", None)  # returned even without a suffix
+        return out
+
+    def image_inputs(self, image) -> tuple[dict, int]:
+        out = self.processor(text=[""], images=[image], return_tensors="pt")
+        count = int((out["input_ids"] == self.image_token_id).sum())
+        return {"pixel_values": out["pixel_values"]}, count
+
+    def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
+        token_types = processed.get("token_type_ids")
+        if token_types is None:
+            return torch.zeros(len(input_ids), dtype=torch.long)  # the whole prompt is prefix
+        return torch.where(token_types[0] == 0, 0, -1).long()

@@ -1,0 +1,56 @@
+"""Qwen2-VL and Qwen2.5-VL: 3-row mrope positions (temporal, height, width).
+
+Prefill positions come from the model's own `get_rope_index` over the (truncated) prompt; a
+generated token at position p gets `p + delta` on all three rows, delta being the gap that the
+image grids opened in the text positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tgi_vlm.models.architectures.base import VlmAdapter, _to
+from tgi_vlm.models.architectures.registry import register
+
+
+@register
+class Qwen2VLAdapter(VlmAdapter):
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+
+    def image_placeholder(self) -> str:
+        # The chat template wraps the pad token; the processor expands only <|image_pad|>.
+        return "<|vision_start|>" + self.processor.image_token + "<|vision_end|>"
+
+    def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
+        # One vision call for all images: the tower keeps images apart through cu_seqlens.
+        device, dtype = self.vision_device_dtype()
+        pixels = torch.cat([p["pixel_values"] for p in pixel_inputs])
+        grids = torch.cat([p["image_grid_thw"] for p in pixel_inputs])
+        out = self.model.model.get_image_features(
+            pixel_values=_to(pixels, device, dtype), image_grid_thw=grids.to(device), return_dict=True
+        )
+        return list(out.pooler_output)
+
+    def prompt_extras(self, processed: dict, input_ids: list[int], spans: list) -> dict:
+        n = len(input_ids)
+        if not spans:
+            return {"mrope": torch.arange(n).expand(3, n).clone(), "mrope_delta": 0}
+        grids = torch.cat([s.pixel_inputs["image_grid_thw"] for s in spans])
+        positions, delta = self.model.model.get_rope_index(
+            input_ids=torch.tensor([input_ids]),
+            mm_token_type_ids=processed["mm_token_type_ids"],
+            image_grid_thw=grids,
+        )
+        return {"mrope": positions[:, 0, :].cpu(), "mrope_delta": int(delta.reshape(-1)[0])}
+
+    def position_ids(self, step, extras: list[dict]) -> torch.Tensor:
+        """[3, 1, T]: prompt windows take their precomputed rows; generated tokens p + delta."""
+        device = step.positions.device
+        lengths = torch.tensor([w.end - w.start for w in step.windows])
+        deltas = torch.tensor([0 if w.start < w.seq.prompt_len else ex["mrope_delta"] for w, ex in zip(step.windows, extras)])
+        offsets = torch.repeat_interleave(deltas, lengths).to(device)
+        rows = (step.positions + offsets).expand(3, -1).clone()
+        for w, ex in zip(step.windows, extras):
+            if w.start < w.seq.prompt_len:
+                rows[:, w.row : w.row + w.end - w.start] = ex["mrope"][:, w.start : w.end].to(device)
+        return rows[:, None, :]

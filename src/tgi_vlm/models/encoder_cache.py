@@ -1,0 +1,73 @@
+"""Vision-encoder outputs kept between steps.
+
+Two stores with different owners:
+- per-request entries (`put`/`get`/`pop`), keyed by an id given to each image span. The engine
+  puts an entry the first step an image's span overlaps the step's token window and pops it after
+  the step that computes the span's last token; filtering or releasing a sequence pops its
+  entries. So a finished scenario leaves `num_entries == 0`.
+- a cross-request LRU keyed by the image bytes' content hash and bounded in bytes, which lets a
+  repeated image skip the vision tower (TGI recomputes it). Entries there are copies' references,
+  evicted oldest-first when over budget; 0 bytes disables it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import torch
+
+
+class EncoderCache:
+    def __init__(self, shared_bytes: int = 256 << 20):
+        self._entries: dict[int, torch.Tensor] = {}
+        self._keys = itertools.count()
+        self._shared: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._shared_bytes = 0
+        self.shared_capacity = shared_bytes
+        self.hits = 0
+        self.misses = 0
+
+    # ----- per-request entries -----
+    def new_key(self) -> int:
+        return next(self._keys)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
+
+    def get(self, key: int) -> torch.Tensor:
+        return self._entries[key]
+
+    def put(self, key: int, features: torch.Tensor) -> None:
+        self._entries[key] = features
+
+    def pop(self, key: int) -> None:
+        self._entries.pop(key, None)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    # ----- cross-request LRU by content hash -----
+    def lookup(self, content_hash: str) -> torch.Tensor | None:
+        features = self._shared.get(content_hash)
+        if features is None:
+            self.misses += 1
+            return None
+        self._shared.move_to_end(content_hash)
+        self.hits += 1
+        return features
+
+    def remember(self, content_hash: str, features: torch.Tensor) -> None:
+        size = features.numel() * features.element_size()
+        if size > self.shared_capacity or content_hash in self._shared:
+            return
+        self._shared[content_hash] = features
+        self._shared_bytes += size
+        while self._shared_bytes > self.shared_capacity:
+            _, evicted = self._shared.popitem(last=False)
+            self._shared_bytes -= evicted.numel() * evicted.element_size()
+
+    def clear_shared(self) -> None:
+        self._shared.clear()
+        self._shared_bytes = 0
