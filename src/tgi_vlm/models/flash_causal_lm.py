@@ -326,6 +326,7 @@ class FlashCausalLM(ShardModel):
             self._accumulate_prefill_logprobs(w, hidden)
         for w in step.windows:
             w.seq.num_computed = w.end
+            w.seq.first_chunk_len = None  # the router's chunk_len applies to the first prefill only
         if not samplers:
             return []
         last_rows = torch.tensor([w.row + w.end - w.start - 1 for w in samplers], device=hidden.device)

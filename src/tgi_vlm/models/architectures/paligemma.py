@@ -3,6 +3,8 @@ images come first), the whole prefix (image + prompt) attends both ways, and pos
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tgi_vlm.models.architectures.base import VlmAdapter
@@ -19,8 +21,17 @@ class PaliGemmaAdapter(VlmAdapter):
         # PaliGemma's convention: images first, then the text; the processor adds <bos> and "\n".
         return "".join(p for p in parts if p is not None)
 
+    def __init__(self, model, processor, hf_config):
+        super().__init__(model, processor, hf_config)
+        # The processor warns on every call whose text has no <image> tokens, which is the convention
+        # it documents for building "<image>"*n + <bos> + text + "\n" itself: keep our logs quiet.
+        logging.getLogger("transformers.models.paligemma.processing_paligemma").setLevel(logging.ERROR)
+
     def process(self, text: str, images: list) -> dict:
-        out = dict(self.processor(text=[text], images=[images] if images else None, return_tensors="pt"))
+        if not images:  # text-only: the same layout without image tokens
+            ids = self.tokenizer(self.tokenizer.bos_token + text + "\n", add_special_tokens=False, return_tensors="pt")
+            return {"input_ids": ids["input_ids"], "token_type_ids": torch.zeros_like(ids["input_ids"])}
+        out = dict(self.processor(text=[text], images=[images], return_tensors="pt"))
         out.pop("labels", None)  # returned even without a suffix
         return out
 

@@ -1,0 +1,36 @@
+"""transformers' generate on the same prompt and images our engine builds, for parity checks."""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tests.models.reference import Reference, hf_greedy
+from tgi_vlm.models.architectures import adapter_for
+from tgi_vlm.testing import tiny_model_path
+
+
+@lru_cache(maxsize=2)
+def reference_model(arch: str):
+    path = tiny_model_path(arch)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    adapter = adapter_for(model.config.model_type)(model, processor, model.config)  # also applies bug workarounds
+    return model, processor, adapter
+
+
+def hf_reference(arch: str, chunks: tuple, max_new_tokens: int) -> Reference:
+    """Greedy tokens and logits from transformers for a request given as text (str) / image (bytes) chunks."""
+    model, processor, adapter = reference_model(arch)
+    parts = [c if isinstance(c, str) else None for c in chunks]
+    images = [Image.open(io.BytesIO(c)).convert("RGB") for c in chunks if isinstance(c, bytes)]
+    text = adapter.build_prompt(parts)
+    inputs = dict(adapter.process(text, images))
+    inputs.pop("labels", None)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].float()
+    return hf_greedy(model, inputs, max_new_tokens)
