@@ -23,6 +23,7 @@ import platform
 import random
 import statistics
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -217,6 +218,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")  # transformers 5.x rename
     torch.manual_seed(0)
 
     path = tiny_model_path("llama", size="bench")

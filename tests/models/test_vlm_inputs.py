@@ -1,0 +1,125 @@
+"""VLM request building: warmup's image, bad images and truncation through an image are refused
+for the offending request only, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import load_engine
+from tests.models.reference import assert_matches
+from tests.models.vlm_reference import hf_reference
+from tgi_vlm.errors import InvalidBatch
+from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
+from tgi_vlm.testing.harness import Runner, make_batch, make_request
+
+IMG = png_bytes(make_test_image(20, 20, seed=1))
+GOOD = ("Look at ", IMG, " and describe it")
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHS)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def engine(arch):
+    return load_engine(arch)
+
+
+def router_warmup(truncate: int = 40, max_total: int = 64, requests: int = 2) -> pb.WarmupRequest:
+    """The shape TGI's v3 router sends: "_test " × truncate, a 20×20 PNG labelled jpeg after the first text."""
+    image = png_bytes(make_test_image(20, 20))
+    reqs = []
+    for i in range(requests):
+        chunks = [pb.InputChunk(text="_test " * truncate)]
+        if i == 0:
+            chunks.append(pb.InputChunk(image=pb.Image(data=image, mimetype="image/jpeg;base64")))
+        reqs.append(
+            pb.Request(
+                id=i,
+                inputs="_test " * truncate,
+                input_chunks=pb.Input(chunks=chunks),
+                truncate=truncate,
+                add_special_tokens=True,
+                parameters=pb.NextTokenChooserParameters(
+                    temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False, seed=0,
+                    repetition_penalty=1.2, frequency_penalty=0.1, watermark=True,
+                ),
+                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_total - truncate, ignore_eos_token=True),
+                prefill_logprobs=True,
+                top_n_tokens=20,
+            )
+        )
+    return pb.WarmupRequest(
+        batch=pb.Batch(id=0, requests=reqs, size=len(reqs), max_tokens=0),
+        max_input_tokens=truncate,
+        max_prefill_tokens=truncate * requests,
+        max_total_tokens=max_total,
+    )
+
+
+def test_router_shaped_warmup_succeeds(engine):
+    supported, max_input, max_total = engine.warmup(router_warmup())
+    assert (max_input, max_total) == (40, 64)
+    assert supported == engine.kv_cache.num_blocks * engine.config.block_size
+    assert engine.kv_blocks_in_use == 0
+    assert engine.encoder_cache.num_entries == 0
+
+
+def bad_image_cases():
+    corrupt = png_bytes(make_test_image(30, 30))[:60]
+    return {
+        "corrupt": (corrupt, "corrupt or truncated image"),
+        "zero_bytes": (b"", "empty"),
+        "not_an_image": (b"hello, I am text pretending to be an image", "cannot decode image"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_image_cases()))
+def test_bad_image_is_refused_naming_the_request_and_the_batch_goes_on(engine, arch, case):
+    data, reason = bad_image_cases()[case]
+    runner = Runner(engine)
+    runner.prefill([make_request(0, *GOOD, max_new_tokens=5)])
+    with pytest.raises(InvalidBatch) as info:
+        engine.batch_from_pb(make_batch(2, [make_request(7, *GOOD), make_request(8, "bad ", data, " image")]))
+    assert info.value.request_ids == [8]
+    assert "request 8" in str(info.value) and reason in str(info.value)
+    runner.prefill([make_request(7, *GOOD, max_new_tokens=4)], batch_id=2)  # the router resends the good one
+    runner.run()
+    assert_matches(runner, 0, hf_reference(arch, GOOD, 5))
+    assert_matches(runner, 7, hf_reference(arch, GOOD, 4))
+    assert engine.kv_blocks_in_use == 0 and engine.encoder_cache.num_entries == 0
+
+
+def test_truncate_cutting_an_image_is_refused(engine):
+    prompt = engine.tokenize_request(make_request(0, *GOOD))
+    span = prompt.images[0]
+    cut_inside = len(prompt.ids) - (span.offset + 1)  # keeps all but the image's first token
+    with pytest.raises(InvalidBatch) as info:
+        engine.batch_from_pb(make_batch(1, [make_request(3, *GOOD, truncate=cut_inside)]))
+    assert info.value.request_ids == [3]
+    assert "would cut image 0" in str(info.value)
+    assert engine.kv_blocks_in_use == 0
+
+
+def test_truncate_before_the_image_keeps_it(engine):
+    prompt = engine.tokenize_request(make_request(0, *GOOD))
+    keep = len(prompt.ids) - prompt.images[0].offset
+    truncated = engine.tokenize_request(make_request(0, *GOOD, truncate=keep))
+    assert truncated.ids == prompt.ids[-keep:]
+    assert truncated.images[0].offset == 0
+
+
+def test_too_many_images_are_refused(arch):
+    engine = load_engine(arch, limits=__import__("tgi_vlm.config", fromlist=["InputLimits"]).InputLimits(max_images_per_request=1))
+    with pytest.raises(InvalidBatch, match="more than 1 images"):
+        engine.batch_from_pb(make_batch(1, [make_request(5, "a ", IMG, " b ", IMG)]))
+
+
+def test_text_only_model_refuses_an_image_but_ignores_it_in_warmup():
+    engine = load_engine("llama")
+    with pytest.raises(InvalidBatch, match="request 4: .*text-only"):
+        engine.batch_from_pb(make_batch(1, [make_request(4, "hello ", IMG)]))
+    assert engine.warmup(router_warmup())[1:] == (40, 64)
+    assert engine.kv_blocks_in_use == 0
