@@ -149,6 +149,11 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     @_rpc
     async def Warmup(self, request, context) -> generate_pb2.WarmupResponse:
+        if len(self.cache):
+            # Warmup re-sizes the KV cache, which would invalidate every cached batch's blocks.
+            raise InvalidArgument(
+                f"Warmup while {len(self.cache)} batch(es) are cached (ids {self.cache.ids()}); send ClearCache first"
+            )
         max_supported, max_input, max_total = await self._on_model_thread(self.model.warmup, request)
         return generate_pb2.WarmupResponse(
             max_supported_total_tokens=max_supported, max_input_tokens=max_input, max_total_tokens=max_total
