@@ -199,3 +199,47 @@ def _setup_logging(level: str, json_output: bool) -> None:
     except ValueError as exc:
         setup_logging("INFO", json_output)
         _fail(str(exc))
+
+
+@app.command()
+def generate(
+    model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    image: Annotated[Optional[list[Path]], typer.Option(help="Image file (repeatable); images come before the prompt")] = None,
+    prompt: Annotated[Optional[str], typer.Option(help="Prompt text")] = None,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    do_sample: bool = False,
+    ignore_eos: bool = False,
+    uds_path: Annotated[Optional[str], typer.Option(help="Use the shard on this socket (or {path}-0) if it exists; "
+                                                         "otherwise start one there")] = None,
+    demo: Annotated[bool, typer.Option(help="A built-in prompt and a generated test image")] = False,
+    logger_level: str = "WARNING",
+) -> None:
+    """Start a shard (as TGI's launcher does), stream one request's tokens, print timings, stop the shard."""
+    import asyncio
+
+    _setup_logging(logger_level, False)
+    images = [p.read_bytes() for p in image or []] if not demo else []
+    if demo:
+        from tgi_vlm.router.generate import DEMO_PROMPT, demo_image
+
+        images, prompt = [demo_image()], prompt or DEMO_PROMPT
+    if not prompt and not images:
+        _fail("give --prompt (and --image files), or --demo")
+    from tgi_vlm.router.generate import generate as run_generate
+    from tgi_vlm.router.generate import timing_lines
+    from tgi_vlm.router.requests import RequestParams
+
+    params = RequestParams(chunks=[*images, prompt or ""], max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
+    try:
+        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path))
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    for line in timing_lines(result):
+        typer.echo(line)
+    if not result.final.ok:
+        _fail(f"generation failed: {result.final.error}")

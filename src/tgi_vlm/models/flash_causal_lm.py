@@ -136,8 +136,10 @@ class FlashCausalLM(ShardModel):
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
         self.allocator: BlockAllocator | None = None
+        self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
         # Test/debug hook: called as observer(request_ids, logits[B, V]) with every sampled step's logits.
         self.logits_observer = None
+        self.graphs = None  # DecodeGraphs (models/cuda_graphs.py) once warmup captured them; tied to kv_cache
 
     # ----- loading-dependent accessors (overridden by VlmCausalLM) -----
     def find_language_model(self) -> torch.nn.Module:
@@ -150,6 +152,7 @@ class FlashCausalLM(ShardModel):
     # ----- KV cache -----
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # drop the old tensors before making new ones
+        self.graphs = None  # captured graphs point at the old cache tensors
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
         self.allocator = BlockAllocator(num_blocks)
 
@@ -222,6 +225,12 @@ class FlashCausalLM(ShardModel):
             raise InvalidRequest(rid, "; ".join(problems))
         if request.cache_len >= len(ids):
             raise InvalidRequest(rid, f"cache_len {request.cache_len} must be below the prompt length {len(ids)}")
+        if self.max_total_tokens and len(ids) + stopping.max_new_tokens > self.max_total_tokens:
+            raise InvalidRequest(
+                rid,
+                f"{len(ids)} prompt tokens + max_new_tokens {stopping.max_new_tokens} exceed "
+                f"max_total_tokens {self.max_total_tokens}",
+            )
         # Warmup runs a single forward, so it reserves the prompt plus one token, not max_new_tokens.
         total = len(ids) + (1 if warmup else stopping.max_new_tokens)
         needed_slots = total - 1  # the last generated token is never fed back
@@ -295,9 +304,13 @@ class FlashCausalLM(ShardModel):
 
     def forward(self, batch: FlashCausalLMBatch, step: StepInputs) -> torch.Tensor:
         embeds = self.embed_step(batch, step)  # [T, H]
+        positions = self.position_ids(batch, step)
+        plan = None if self.graphs is None else self.graphs.plan(step.metadata)
+        if plan is not None:  # decode-only step that fits a captured batch size
+            return self.graphs.replay(plan, embeds, positions, step.metadata)
         out = self.language_model(
             inputs_embeds=embeds[None],
-            position_ids=self.position_ids(batch, step),
+            position_ids=positions,
             attn_metadata=step.metadata,
             use_cache=False,
         )
@@ -326,7 +339,7 @@ class FlashCausalLM(ShardModel):
             self._accumulate_prefill_logprobs(w, hidden)
         for w in step.windows:
             w.seq.num_computed = w.end
-            w.seq.first_chunk_len = None  # the router's chunk_len applies to the first prefill only
+            w.seq.started = True  # the router's chunk_len applies to the first prefill only
         if not samplers:
             return []
         last_rows = torch.tensor([w.row + w.end - w.start - 1 for w in samplers], device=hidden.device)

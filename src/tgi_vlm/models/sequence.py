@@ -30,7 +30,8 @@ class Sequence:
     slot_tensor: torch.Tensor
     owns_blocks: bool  # blocks came from the server's allocator and go back to it
     num_computed: int = 0  # router's cache_len at start (prefix-cache hit)
-    first_chunk_len: int | None = None  # router's chunk_len for the first prefill; consumed once
+    first_chunk_len: int | None = None  # router's chunk_len for the first prefill
+    started: bool = False  # a forward has run for this sequence (later chunks are sized by the server)
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
     prefill_logprob_values: list[float] = field(default_factory=list)  # accumulated across chunks

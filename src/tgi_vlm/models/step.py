@@ -28,7 +28,7 @@ def schedule(seqs: list[Sequence], prefill_budget: int | None) -> list[int]:
     for i, seq in enumerate(seqs):
         if sizes[i] != -1:
             continue
-        if seq.first_chunk_len is not None or left is None:
+        if not seq.started or left is None:  # first prefill: the router sized it (chunk_len, else all of it)
             n = seq.remaining_prompt if seq.first_chunk_len is None else min(seq.first_chunk_len, seq.remaining_prompt)
         else:
             n = min(seq.remaining_prompt, max(left, 1))

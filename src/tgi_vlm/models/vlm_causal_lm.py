@@ -83,8 +83,8 @@ class VlmCausalLM(FlashCausalLM):
         try:
             processed = self.adapter.process(text, images)
             per_image = [self.adapter.image_inputs(img) for img in images]
-        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
-            raise InvalidRequest(request.id, f"the processor rejected the input: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any processor failure on user content is that request's problem
+            raise InvalidRequest(request.id, f"the processor rejected the input: {type(exc).__name__}: {exc}") from None
         ids = processed["input_ids"][0].tolist()
         try:
             located = locate_spans(ids, self.adapter.image_token_id, [count for _, count in per_image])

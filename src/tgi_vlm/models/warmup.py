@@ -13,11 +13,13 @@ from loguru import logger
 
 from tgi_vlm.errors import InvalidArgument
 from tgi_vlm.layers.attention import blocks_needed
+from tgi_vlm.models.cuda_graphs import setup_decode_graphs
 from tgi_vlm.pb import generate_pb2
 
 
 def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, int]:
     max_prefill = request.max_prefill_tokens
+    model.max_total_tokens = None  # the warmup batch is checked against the new limits, not old ones
     _run_warmup_batch(model, request.batch, max_prefill)
     model.kv_cache = None
     if model.device.type == "cuda":
@@ -37,6 +39,8 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
         max_input = max_total - 1
     if max_input >= max_total:
         raise InvalidArgument(f"max_input_tokens ({max_input}) must be below max_total_tokens ({max_total})")
+    model.max_total_tokens = max_total
+    model.graphs = setup_decode_graphs(model, max_total)  # None unless on CUDA with CUDA_GRAPHS set
     logger.info("KV cache: {} blocks of {} tokens ({} tokens)", num_blocks, model.config.block_size, supported)
     return supported, max_input, max_total
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from loguru import logger
 from transformers import AttentionInterface
 
+from tgi_vlm.layers.attention.flashinfer_backend import flashinfer_backend
 from tgi_vlm.layers.attention.kv_cache import BlockAllocator, KVCacheSpec, PagedKVCache, blocks_needed
 from tgi_vlm.layers.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 from tgi_vlm.layers.attention.torch_backend import torch_paged_attention
@@ -21,6 +22,9 @@ ATTENTION_NAME = "tgi_vlm_paged"
 # here they map to the paged torch reference, which implements the same paged semantics.
 BACKENDS: dict[str, Callable] = {"torch": torch_paged_attention}
 ALIASES = {"paged": "torch", "flashdecoding": "torch"}
+_flashinfer = flashinfer_backend()  # None without CUDA or without a working `import flashinfer`
+if _flashinfer is not None:
+    BACKENDS["flashinfer"] = _flashinfer
 
 
 def resolve_backend(requested: str, device: str) -> str:

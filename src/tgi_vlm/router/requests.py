@@ -1,0 +1,106 @@
+"""What a caller submits to the router and what comes back: parameters in, events out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tgi_vlm.pb import generate_pb2 as pb
+
+FINISH_REASONS = {0: "length", 1: "eos_token", 2: "stop_sequence"}
+
+
+@dataclass
+class RequestParams:
+    """One generation request. `chunks` are text (str) and images (bytes) in prompt order."""
+
+    chunks: list[str | bytes]
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    do_sample: bool = False
+    seed: int = 0
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    truncate: int = 0  # 0: no truncation (up to the router's max_input_tokens)
+    prefill_logprobs: bool = False
+    top_n_tokens: int = 0
+
+    def to_pb(self, request_id: int, allocation=None, chunk_len: int | None = None) -> pb.Request:
+        chunks = [
+            pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype="image/png"))
+            for c in self.chunks
+        ]
+        request = pb.Request(
+            id=request_id,
+            inputs="".join(c for c in self.chunks if isinstance(c, str)),
+            input_chunks=pb.Input(chunks=chunks),
+            truncate=self.truncate,
+            parameters=pb.NextTokenChooserParameters(
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, typical_p=self.typical_p,
+                do_sample=self.do_sample, seed=self.seed, repetition_penalty=self.repetition_penalty,
+                frequency_penalty=self.frequency_penalty,
+            ),
+            stopping_parameters=pb.StoppingCriteriaParameters(
+                max_new_tokens=self.max_new_tokens, stop_sequences=self.stop_sequences, ignore_eos_token=self.ignore_eos
+            ),
+            prefill_logprobs=self.prefill_logprobs,
+            top_n_tokens=self.top_n_tokens,
+            add_special_tokens=True,
+        )
+        if allocation is not None:
+            request.blocks.extend(allocation.blocks)
+            request.slots.extend(allocation.slots)
+        if chunk_len is not None:
+            request.chunk_len = chunk_len
+        return request
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: int
+    token_id: int
+    text: str
+    logprob: float
+    special: bool
+    time: float  # time.perf_counter() when the router received it
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of every stream: the generated text, or why there is none."""
+
+    request_id: int
+    time: float
+    text: str = ""
+    generated_tokens: int = 0
+    finish_reason: str | None = None  # "length" | "eos_token" | "stop_sequence"
+    seed: int | None = None
+    error: str | None = None  # set when the request failed or was cancelled
+    cancelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def from_pb(cls, request_id: int, generated: pb.GeneratedText) -> FinalEvent:
+        return cls(
+            request_id=request_id,
+            time=time.perf_counter(),
+            text=generated.text,
+            generated_tokens=generated.generated_tokens,
+            finish_reason=FINISH_REASONS.get(generated.finish_reason, str(generated.finish_reason)),
+            seed=generated.seed if generated.HasField("seed") else None,
+        )
+
+    @classmethod
+    def failed(cls, request_id: int, error: str, *, cancelled: bool = False) -> FinalEvent:
+        return cls(request_id=request_id, time=time.perf_counter(), error=error, cancelled=cancelled)
+
+
+Event = TokenEvent | FinalEvent

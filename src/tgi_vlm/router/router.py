@@ -1,0 +1,382 @@
+"""The continuous-batching loop TGI's v3 router runs (`backends/v3/src/backend.rs::batching_task`).
+
+Startup: ClearCache → Info → Warmup, then the block allocator is sized from the shard's answer.
+Loop: Prefill(batch) → stream → FilterBatch/ClearCache → while the batch lives: with chunking,
+`Prefill(new, cached_batch)` (the new requests share the forward with the running ones, prefill
+budget minus the running batch's `current_tokens`); without, `Prefill(new)` then
+`Decode([old, new])` → `Decode`.
+
+Failures: a Prefill refused with INVALID_ARGUMENT naming request ids fails just those requests;
+the shard left the cached batch unchanged, so the good ones are resent with it. Any other RPC error
+clears the batches involved and fails their requests. A request's blocks are freed whenever it
+leaves a batch (finished, cancelled, failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from loguru import logger
+
+from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.router.allocator import BlockAllocator
+from tgi_vlm.router.client import ShardClient
+from tgi_vlm.router.queue import Entry, NextBatch, Queue, min_batch_size
+from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, TokenEvent
+from tgi_vlm.router.warmup import warmup_request
+
+_BAD_REQUEST = re.compile(r"request (\d+):")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """TGI launcher flags of the same names."""
+
+    max_input_tokens: int = 1024
+    max_total_tokens: int = 2048
+    max_batch_prefill_tokens: int = 2048
+    max_batch_total_tokens: int | None = None  # None: what Warmup says the KV cache holds
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One Prefill/Decode as seen by the router (wall clock) and as reported by the shard."""
+
+    kind: str  # "prefill" | "prefill+cached" | "decode"
+    size: int  # requests in the resulting batch
+    wall_s: float
+    forward_ns: int
+    decode_ns: int
+    total_ns: int
+    concat_ns: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    info: pb.InfoResponse
+    max_supported_total_tokens: int
+    max_input_tokens: int
+    max_total_tokens: int
+
+
+class Stream:
+    """The events of one request: TokenEvents, then exactly one FinalEvent."""
+
+    def __init__(self, entry: Entry):
+        self.entry = entry
+
+    @property
+    def request_id(self) -> int:
+        return self.entry.id
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.entry.events.get()
+            yield event
+            if isinstance(event, FinalEvent):
+                return
+
+    async def final(self) -> tuple[list[TokenEvent], FinalEvent]:
+        """Drain the stream: (token events, final event)."""
+        tokens = []
+        async for event in self:
+            if isinstance(event, TokenEvent):
+                tokens.append(event)
+            else:
+                return tokens, event
+        raise AssertionError("stream ended without a final event")
+
+
+def bad_request_ids(error: grpc.aio.AioRpcError, candidates: set[int]) -> set[int]:
+    """The requests an INVALID_ARGUMENT Prefill error names ("... request <id>: <reason>; ...")."""
+    if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return set()
+    return {int(m) for m in _BAD_REQUEST.findall(error.details() or "")} & candidates
+
+
+class Router:
+    """Plays TGI's v3 router against one shard. `run()` is the loop; `submit()` feeds it."""
+
+    def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], int],
+                 config: RouterConfig | None = None):
+        self.client = client
+        self.count_tokens = count_tokens
+        self.config = config or RouterConfig()
+        self.shard: ShardInfo | None = None
+        self.allocator: BlockAllocator | None = None
+        self.queue: Queue | None = None
+        self.calls: Counter[str] = Counter()  # RPCs sent, e.g. "prefill+cached", "decode"
+        self.steps: list[StepRecord] = []
+        self._ids = itertools.count(1)
+        self._running: dict[int, Entry] = {}
+        self._wake = asyncio.Event()
+        self._started = asyncio.Event()
+        self._start_lock = asyncio.Lock()
+        self._stopping = False
+        self._counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgi-vlm-count")
+
+    # ----- startup -----
+    async def start(self) -> ShardInfo:
+        """ClearCache → Info → Warmup; sizes the block allocator. Idempotent."""
+        async with self._start_lock:
+            if self.shard is None:
+                await self._start()
+        return self.shard
+
+    async def _start(self) -> None:
+        cfg = self.config
+        await self.client.clear_cache(None)
+        info = await self.client.info()
+        if info.requires_padding:
+            raise RuntimeError("the shard requires padding; this router drives paged (v3) shards only")
+        warm = await self.client.warmup(warmup_request(cfg.max_input_tokens, cfg.max_batch_prefill_tokens,
+                                                       cfg.max_total_tokens, cfg.max_batch_size))
+        supported = warm.max_supported_total_tokens if warm.HasField("max_supported_total_tokens") else None
+        total = cfg.max_batch_total_tokens or supported
+        if total is None:
+            raise RuntimeError("the shard did not report max_supported_total_tokens; set max_batch_total_tokens")
+        self.shard = ShardInfo(info, total, warm.max_input_tokens, warm.max_total_tokens)
+        self.allocator = BlockAllocator(total // info.block_size, info.block_size)
+        self.queue = Queue(self.allocator)
+        self._started.set()
+        logger.debug("shard ready: block_size {}, {} blocks, chunking {}", info.block_size,
+                     self.allocator.num_blocks, info.support_chunking)
+
+    # ----- public API -----
+    async def submit(self, params: RequestParams) -> Stream:
+        """Queue a request; its events arrive on the returned stream (errors as a failed FinalEvent)."""
+        await self._started.wait()
+        entry = Entry(id=next(self._ids), params=params, input_len=0, submitted=time.perf_counter())
+        try:
+            entry.input_len = await asyncio.get_running_loop().run_in_executor(
+                self._counting, self.count_tokens, params.to_pb(entry.id))
+        except ValueError as exc:
+            return self._refuse(entry, str(exc))
+        problem = self._validate(entry)
+        if problem:
+            return self._refuse(entry, f"request {entry.id}: {problem}")
+        if self._stopping:
+            return self._refuse(entry, "the router is stopping")
+        self.queue.append(entry)
+        self._wake.set()
+        return Stream(entry)
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a queued or running request; its blocks are freed at the next step boundary."""
+        for entry in list(self.queue.waiting):
+            if entry.id == request_id:
+                self.queue.remove(entry)
+                self._finish(entry, FinalEvent.failed(entry.id, "cancelled", cancelled=True))
+                return True
+        entry = self._running.get(request_id)
+        if entry is None or entry.done:
+            return False
+        entry.cancelled = True
+        return True
+
+    async def run(self) -> None:
+        """Serve until `stop()`. Fails whatever is still queued or running when it returns."""
+        await self.start()
+        try:
+            while not self._stopping:
+                batch = self._next_batch(None)
+                if batch is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._serve(batch)
+        finally:
+            self.queue.fail_all("the router stopped")
+            self._counting.shutdown(wait=False)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # ----- the loop -----
+    async def _serve(self, first: NextBatch) -> None:
+        """One batch's life: prefill, then decode while requests join, until none is left."""
+        entries: dict[int, Entry] = {}
+        cached = await self._prefill(first, None, entries)
+        waiting_steps = 1
+        while cached is not None:
+            if self._stopping:
+                await self._clear([cached.id], entries, "the router stopped")
+                return
+            batches = [cached]
+            new = self._next_batch(cached, waiting_steps)
+            if new is not None:
+                if self.shard.info.support_chunking:
+                    # The new requests are concatenated after the running ones in the same forward.
+                    joined = await self._prefill(new, cached, entries)
+                    batches = [joined] if joined is not None else []
+                else:
+                    new_entries: dict[int, Entry] = {}
+                    new_cached = await self._prefill(new, None, new_entries)
+                    entries.update(new_entries)
+                    if new_cached is not None:
+                        batches.append(new_cached)
+                waiting_steps = 1
+            if not batches:
+                return
+            cached = await self._decode(batches, entries)
+            waiting_steps += 1
+
+    def _next_batch(self, cached: pb.CachedBatch | None, waiting_steps: int = 0) -> NextBatch | None:
+        cfg = self.config
+        chunking = self.shard.info.support_chunking
+        if cached is None:
+            return self.queue.next_batch(min_size=None, max_size=cfg.max_batch_size,
+                                         prefill_budget=cfg.max_batch_prefill_tokens, chunking=chunking)
+        if chunking:
+            budget = cfg.max_batch_prefill_tokens - cached.current_tokens
+            return self.queue.next_batch(min_size=None, max_size=None, prefill_budget=budget, chunking=True)
+        min_size = None if waiting_steps >= cfg.max_waiting_tokens else min_batch_size(cached.size, cfg.waiting_served_ratio)
+        max_size = None if cfg.max_batch_size is None else cfg.max_batch_size - cached.size
+        return self.queue.next_batch(min_size=min_size, max_size=max_size,
+                                     prefill_budget=cfg.max_batch_prefill_tokens, chunking=False)
+
+    async def _prefill(self, new: NextBatch, cached: pb.CachedBatch | None,
+                       entries: dict[int, Entry]) -> pb.CachedBatch | None:
+        """Prefill(new[, cached]); `entries` (the running ones) gains the new requests."""
+        entries.update(new.entries)
+        self._running.update(new.entries)
+        kind = "prefill+cached" if cached is not None else "prefill"
+        while True:
+            try:
+                self.calls[kind] += 1
+                start = time.perf_counter()
+                response = await self.client.prefill(new.batch, cached)
+                break
+            except grpc.aio.AioRpcError as exc:
+                bad = bad_request_ids(exc, set(new.entries))
+                if not bad:
+                    ids = [new.batch.id] + ([cached.id] if cached is not None else [])
+                    await self._clear(ids, entries, f"Prefill failed: {exc.code().name}: {exc.details()}")
+                    return None
+                self._drop_refused(new, bad, entries, exc.details())
+                if not new.entries:
+                    return cached  # the shard left the cached batch as it was
+        self._record(kind, response, start)
+        self._send(response.generations, entries)
+        return await self._filter(response.batch if response.HasField("batch") else None, entries)
+
+    def _drop_refused(self, new: NextBatch, bad: set[int], entries: dict[int, Entry], details: str) -> None:
+        for rid in bad:
+            entry = new.entries.pop(rid)
+            entries.pop(rid, None)
+            self._finish(entry, FinalEvent.failed(rid, f"refused by the shard: {details}"))
+        kept = [r for r in new.batch.requests if r.id not in bad]
+        del new.batch.requests[:]
+        new.batch.requests.extend(kept)
+        new.batch.size = len(kept)
+
+    async def _decode(self, batches: list[pb.CachedBatch], entries: dict[int, Entry]) -> pb.CachedBatch | None:
+        try:
+            self.calls["decode"] += 1
+            start = time.perf_counter()
+            response = await self.client.decode(batches)
+        except grpc.aio.AioRpcError as exc:
+            await self._clear([b.id for b in batches], entries, f"Decode failed: {exc.code().name}: {exc.details()}")
+            return None
+        self._record("decode", response, start)
+        self._send(response.generations, entries)
+        return await self._filter(response.batch if response.HasField("batch") else None, entries)
+
+    def _record(self, kind: str, response, start: float) -> None:
+        size = response.batch.size if response.HasField("batch") else 0
+        self.steps.append(StepRecord(kind, size, time.perf_counter() - start, response.forward_ns,
+                                     response.decode_ns, response.total_ns, response.concat_ns))
+
+    def _send(self, generations, entries: dict[int, Entry]) -> None:
+        now = time.perf_counter()
+        for g in generations:
+            entry = entries.get(g.request_id)
+            if entry is None or entry.cancelled:
+                continue
+            t = g.tokens
+            for i, token_id in enumerate(t.ids):
+                entry.events.put_nowait(TokenEvent(entry.id, token_id, t.texts[i] if i < len(t.texts) else "",
+                                                   t.logprobs[i] if i < len(t.logprobs) else 0.0,
+                                                   bool(t.is_special[i]) if i < len(t.is_special) else False, now))
+            if g.HasField("generated_text"):
+                del entries[entry.id]
+                self._finish(entry, FinalEvent.from_pb(entry.id, g.generated_text))
+
+    async def _filter(self, batch: pb.CachedBatch | None, entries: dict[int, Entry]) -> pb.CachedBatch | None:
+        """Drop cancelled requests; FilterBatch when the shard's batch holds others, ClearCache when empty."""
+        for entry in [e for e in entries.values() if e.cancelled]:
+            del entries[entry.id]
+            self._finish(entry, FinalEvent.failed(entry.id, "cancelled", cancelled=True))
+        if batch is None:
+            for entry in list(entries.values()):
+                self._finish(entry, FinalEvent.failed(entry.id, "the shard dropped the batch without finishing it"))
+            entries.clear()
+            return None
+        if not entries:
+            await self._clear([batch.id], entries, "")
+            return None
+        if set(batch.request_ids) == set(entries):
+            return batch
+        try:
+            self.calls["filter"] += 1
+            return await self.client.filter_batch(batch.id, list(entries))
+        except grpc.aio.AioRpcError as exc:
+            await self._clear([batch.id], entries, f"FilterBatch failed: {exc.code().name}: {exc.details()}")
+            return None
+
+    async def _clear(self, batch_ids: list[int], entries: dict[int, Entry], error: str) -> None:
+        for entry in list(entries.values()):
+            self._finish(entry, FinalEvent.failed(entry.id, error or "cleared"))
+        entries.clear()
+        for batch_id in batch_ids:
+            try:
+                self.calls["clear"] += 1
+                await self.client.clear_cache(batch_id)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("ClearCache({}) failed: {}", batch_id, exc.details())
+        if error:
+            logger.warning("batch(es) {} cleared: {}", batch_ids, error)
+
+    def _finish(self, entry: Entry, event: FinalEvent) -> None:
+        if entry.done:
+            return
+        entry.done = True
+        self._running.pop(entry.id, None)
+        if entry.allocation is not None:
+            self.allocator.free(entry.allocation)
+            entry.allocation = None
+        entry.events.put_nowait(event)
+
+    def _refuse(self, entry: Entry, error: str) -> Stream:
+        self._finish(entry, FinalEvent.failed(entry.id, error))
+        return Stream(entry)
+
+    def _validate(self, entry: Entry) -> str | None:
+        shard, cfg = self.shard, self.config
+        n, new = entry.input_len, entry.params.max_new_tokens
+        if new < 1:
+            return "max_new_tokens must be at least 1"
+        if n > shard.max_input_tokens:
+            return f"{n} input tokens exceed max_input_tokens {shard.max_input_tokens}; shorten the prompt or set truncate"
+        if n + new > shard.max_total_tokens:
+            return f"{n} input tokens + max_new_tokens {new} exceed max_total_tokens {shard.max_total_tokens}"
+        if not self.shard.info.support_chunking and n > cfg.max_batch_prefill_tokens:
+            return f"{n} input tokens exceed max_batch_prefill_tokens {cfg.max_batch_prefill_tokens} (no chunking)"
+        if self.allocator.blocks_for(entry.tokens_needed) > self.allocator.capacity:
+            return f"needs {entry.tokens_needed} KV slots; the KV cache holds {self.allocator.capacity * self.allocator.block_size}"
+        return None

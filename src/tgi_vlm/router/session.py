@@ -1,0 +1,62 @@
+"""A started router over a shard: spawned as the launcher would, or an existing socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from tgi_vlm.router.client import ShardClient
+from tgi_vlm.router.router import Router, RouterConfig
+from tgi_vlm.router.shard import ShardProcess
+from tgi_vlm.router.tokens import TokenCounter
+
+
+@dataclass
+class Session:
+    router: Router
+    counter: TokenCounter
+    shard: ShardProcess | None  # None when we connected to a running shard
+    socket: str
+
+
+def existing_socket(uds_path: str | None) -> str | None:
+    """`uds_path` itself when it is a socket, else the launcher's `{uds_path}-0`, else None."""
+    if not uds_path:
+        return None
+    for candidate in (uds_path, f"{uds_path}-0"):
+        if os.path.exists(candidate) and not os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+@asynccontextmanager
+async def router_session(model_id: str, *, uds_path: str | None = None, shard_env: Mapping[str, str] | None = None,
+                         config: RouterConfig | None = None,
+                         wrap_client: Callable[[ShardClient], ShardClient] | None = None) -> AsyncIterator[Session]:
+    """Yield a warmed-up router whose loop is running; on exit stop it and SIGTERM the shard we started."""
+    counter = await asyncio.to_thread(TokenCounter, model_id)
+    socket = existing_socket(uds_path)
+    shard = None
+    if socket is None:
+        shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env)
+        await asyncio.to_thread(shard.start)
+        socket = shard.socket
+    client = ShardClient(socket)
+    if wrap_client is not None:
+        client = wrap_client(client)
+    router = Router(client, counter.count, config)
+    task = None
+    try:
+        await router.start()
+        task = asyncio.create_task(router.run())
+        yield Session(router, counter, shard, socket)
+    finally:
+        router.stop()
+        if task is not None:
+            await task
+        await client.close()
+        if shard is not None:
+            await asyncio.to_thread(shard.stop)

@@ -1,0 +1,110 @@
+"""On a CUDA device: CUDA-graph decode gives the tokens of eager decode and of transformers' generate,
+and the flashinfer backend agrees with the torch reference. Run with `pytest -m gpu tests/gpu`
+(`make gpu-check`); skipped without CUDA, and the flashinfer cases without flashinfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgi_vlm.config import DEFAULT_CUDA_GRAPHS, EngineConfig
+from tgi_vlm.layers.attention import BACKENDS, register_attention
+from tgi_vlm.models.cuda_graphs import DecodeGraphs, graph_max_kv_len
+from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
+from tgi_vlm.testing.harness import Runner, make_request
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+needs_flashinfer = pytest.mark.skipif("flashinfer" not in BACKENDS, reason="flashinfer is not installed")
+
+IMG = png_bytes(make_test_image(20, 20, seed=1))
+PROMPTS = [("Look at ", IMG, " and describe it"), ("just text, no picture",), (IMG, " what is this"),
+           ("one more request to fill the batch",), ("five",)]
+MAX_NEW = 8
+KV_BLOCKS = 1024
+
+
+def _load(arch: str, *, size: str, attention: str, dtype: str):
+    from tgi_vlm.models import get_model
+
+    config = EngineConfig(device="cuda", attention=attention, dtype=dtype, cuda_graphs=DEFAULT_CUDA_GRAPHS)
+    model = get_model(str(tiny_model_path(arch, size=size)), config)
+    model.allocate_kv_cache(KV_BLOCKS)  # not sized from free memory: the tests share the GPU
+    return model
+
+
+def _generate(model, prompts=PROMPTS):
+    runner = Runner(model)
+    runner.prefill([make_request(i, *p, max_new_tokens=MAX_NEW) for i, p in enumerate(prompts)])
+    runner.run()
+    assert model.kv_blocks_in_use == 0
+    return dict(runner.tokens), dict(runner.logits)
+
+
+def _with_graphs(model, eager_first: bool = True):
+    if eager_first:  # flashinfer learns its plan keys from one eager run, as warmup provides in serving
+        _generate(model, PROMPTS[:1])
+    model.graphs = DecodeGraphs.capture(model, DEFAULT_CUDA_GRAPHS, graph_max_kv_len(512, model.kv_cache))
+    return model.graphs
+
+
+class _Counting:
+    def __init__(self, graphs):
+        self.graphs, self.replays = graphs, []
+
+    def plan(self, meta):
+        return self.graphs.plan(meta)
+
+    def replay(self, plan, *args):
+        self.replays.append(plan.size)
+        return self.graphs.replay(plan, *args)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
+def test_graph_decode_gives_the_eager_tokens_and_transformers_tokens(arch):
+    from tests.models.vlm_reference import hf_reference
+
+    model = _load(arch, size="tiny", attention="torch", dtype="float32")
+    register_attention("torch")
+    eager, _ = _generate(model)
+    counting = _Counting(_with_graphs(model))
+    model.graphs = counting
+    graphed, _ = _generate(model)
+    assert graphed == eager
+    assert counting.replays == [8] * (MAX_NEW - 1)  # 5 sequences padded to 8 at every decode step
+    for rid, prompt in enumerate(PROMPTS[:2]):
+        assert graphed[rid] == hf_reference(arch, prompt, MAX_NEW).ids, f"request {rid} differs from transformers"
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
+def test_flashinfer_graph_decode_gives_the_flashinfer_eager_tokens(arch):
+    model = _load(arch, size="bench", attention="flashinfer", dtype="bfloat16")  # head_dim 64
+    register_attention("flashinfer")
+    eager, _ = _generate(model)
+    model.graphs = _with_graphs(model)
+    graphed, _ = _generate(model)
+    model.graphs = None
+    assert graphed == eager
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
+def test_flashinfer_and_torch_logits_agree_in_bf16(arch):
+    model = _load(arch, size="bench", attention="flashinfer", dtype="bfloat16")
+    try:
+        register_attention("torch")
+        ref_tokens, ref_logits = _generate(model)
+        register_attention("flashinfer")
+        tokens, logits = _generate(model)
+    finally:
+        register_attention("flashinfer")
+    for rid in ref_tokens:
+        assert tokens[rid][:2] == ref_tokens[rid][:2], f"request {rid}: {tokens[rid]} vs torch {ref_tokens[rid]}"
+        same = next((i for i, (a, b) in enumerate(zip(tokens[rid], ref_tokens[rid])) if a != b), len(tokens[rid]))
+        for step in range(same + 1 if same < len(tokens[rid]) else same):
+            a, b = logits[rid][step], ref_logits[rid][step]
+            scale = b.abs().max().item()
+            assert (a - b).abs().max().item() <= 0.02 * scale + 0.05, f"request {rid} step {step}"
