@@ -237,8 +237,8 @@ def generate(
                            top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
     try:
         result = asyncio.run(run_generate(model_id, params, uds_path=uds_path))
-    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
-        _fail(str(exc))
+    except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: no such model (transformers' loaders)
+        _fail(f"{type(exc).__name__}: {exc}")
     for line in timing_lines(result):
         typer.echo(line)
     if not result.final.ok:
