@@ -4,11 +4,14 @@ joining and filtering; encoder entries and KV blocks back to zero after each sce
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from PIL import Image
 
 from tests.conftest import load_engine
 from tests.models.reference import assert_matches
-from tests.models.vlm_reference import hf_reference
+from tests.models.vlm_reference import hf_reference, reference_model
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
 from tgi_vlm.testing.harness import Runner, make_request
 
@@ -117,11 +120,8 @@ def test_filter_removes_request_with_half_prefilled_image(engine, runner, arch):
 
 def test_placeholder_tokens_per_image_equal_the_processors(engine, arch):
     prompt = engine.tokenize_request(make_request(0, *TWO_IMAGES))
-    _, processor, adapter = __import__("tests.models.vlm_reference", fromlist=["x"]).reference_model(arch)
+    _, _, adapter = reference_model(arch)
     text = adapter.build_prompt([c if isinstance(c, str) else None for c in TWO_IMAGES])
-    from PIL import Image
-    import io
-
     images = [Image.open(io.BytesIO(c)).convert("RGB") for c in TWO_IMAGES if isinstance(c, bytes)]
     ids = adapter.process(text, images)["input_ids"][0].tolist()
     assert prompt.ids == ids
