@@ -13,7 +13,15 @@ import pytest
 
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.pb import generate_pb2 as pb
-from tgi_vlm.router import FinalEvent, RequestParams, Router, RouterConfig, ShardClient, ShardProcess, TokenCounter
+from tgi_vlm.router import (
+    FinalEvent,
+    RequestParams,
+    Router,
+    RouterConfig,
+    ShardClient,
+    ShardProcess,
+    TokenCounter,
+)
 from tgi_vlm.router.tokens import CountError
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 
@@ -45,6 +53,7 @@ class CountingClient:
     def __init__(self, client: ShardClient):
         self.client = client
         self.calls: Counter[str] = Counter()
+        self.prefills: list[tuple[list[int], bool]] = []  # (request ids, with a cached batch)
         self.gate = asyncio.Event()
         self.gate.set()
 
@@ -53,6 +62,7 @@ class CountingClient:
 
     async def prefill(self, batch, cached_batch=None):
         self.calls["prefill+cached" if cached_batch is not None else "prefill"] += 1
+        self.prefills.append(([r.id for r in batch.requests], cached_batch is not None))
         return await self.client.prefill(batch, cached_batch)
 
     async def decode(self, batches):
@@ -172,21 +182,23 @@ def test_shard_refuses_a_corrupt_image_mid_batch_and_the_others_finish(shard, co
 
     async def scenario(router, client):
         solo = [await alone(router, p) for p in (*running, joining[0], joining[2])]
-        client.calls.clear()
+        client.prefills.clear()
+        client.gate.clear()  # hold Decode: the running batch waits while all three joiners queue up
         streams = [await router.submit(p) for p in running]
         await streams[0].entry.events.get()
-        client.gate.clear()  # hold the next Decode so that all three join in one Prefill
         streams += [await router.submit(p) for p in joining]
         client.gate.set()
         outputs = [await tokens_of(s) for s in streams]
-        return solo, outputs, dict(client.calls)
+        return solo, outputs, client.prefills
 
-    solo, outputs, calls = run_with_router(shard, lenient, scenario)
+    solo, outputs, prefills = run_with_router(shard, lenient, scenario)
     bad_id = outputs[3][1].request_id
     assert not outputs[3][1].ok and f"request {bad_id}:" in outputs[3][1].error
     assert "corrupt or truncated image" in outputs[3][1].error
-    assert calls["prefill+cached"] == 2, calls  # refused once, the two good ones resent
-    good = [outputs[1], outputs[4], outputs[5]]
+    c, d, e = (outputs[i][1].request_id for i in (2, 3, 4))
+    refused = prefills.index(([c, d, e], True))  # all three joined the running batch in one Prefill ...
+    assert prefills[refused + 1] == ([c, e], True)  # ... and the good ones were resent with it
+    good = [outputs[1], outputs[2], outputs[4]]
     assert outputs[0][0] == solo[0][1:]
     for ids, (batched, final) in zip(solo[1:], good):
         assert final.ok and batched == ids

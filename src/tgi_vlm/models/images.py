@@ -24,9 +24,11 @@ def decode_image(data: bytes, limits: InputLimits) -> Image.Image:
         raise ImageError("image is empty (0 bytes)")
     if len(data) > limits.max_image_bytes:
         raise ImageError(f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes}")
+    # PIL's own bomb guard (an error at 2x MAX_IMAGE_PIXELS) follows our limit; ours is checked first.
+    Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > limits.max_image_pixels:
@@ -38,7 +40,9 @@ def decode_image(data: bytes, limits: InputLimits) -> Image.Image:
             image.load()
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image is over the limit of {limits.max_image_pixels} pixels: {exc}") from None
+    except UnidentifiedImageError as exc:
         raise ImageError(f"cannot decode image: {exc}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise ImageError(f"corrupt or truncated image: {exc}") from None

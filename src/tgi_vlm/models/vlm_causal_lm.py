@@ -202,8 +202,10 @@ class VlmCausalLM(FlashCausalLM):
                     needed.append(span)
         if not needed:
             return
-        outputs = self.adapter.encode([s.pixel_inputs for s in needed])
-        for span, features in zip(needed, outputs):
+        unique = {s.content_hash: s for s in needed}  # the same image twice in one step is encoded once
+        outputs = dict(zip(unique, self.adapter.encode([s.pixel_inputs for s in unique.values()])))
+        for span in needed:
+            features = outputs[span.content_hash]
             if features.shape[0] != span.num_embed:
                 raise RuntimeError(
                     f"vision tower gave {features.shape[0]} rows for image {span.index}, prompt has {span.num_embed}"
