@@ -17,7 +17,7 @@ The ratio is engine tokens/s ÷ the faster transformers mode (target ≥ 2×). T
 share is the time inside `adapter.encode` (wrapped here, not edited) over the time of the steps
 that prefill at least one token.
 
-    .venv/bin/python benchmarks/vlm_engine.py [--quick] [--threads 2] [--profile]
+    .venv/bin/python benchmarks/vlm_engine.py [--quick] [--threads 2] [--profile] [--engine-only]
 
 Writes benchmarks/results/vlm_engine.{json,md} (--quick: vlm_engine-quick.{json,md}).
 """
@@ -236,6 +236,11 @@ def bench(args) -> dict:
     profile = cProfile.Profile() if args.profile else None
     engine_s, ours = run_engine(engine, jobs, profile)
     engine_times = dict(timers.totals)
+    if args.engine_only:
+        print(f"engine {engine_s:.2f} s, {throughput(engine_s, jobs)['tok_s']:.1f} tok/s; {engine_times}")
+        if profile:
+            print(profile_summary(profile))
+        raise SystemExit(0)
     batched_s, batched = hf.run(jobs, HF_BATCH)
     single_s, reference = hf.run(jobs, 1)
 
@@ -316,6 +321,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 smaller requests, for a smoke test")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine-only", action="store_true", help="time only the engine run; print, write nothing")
     parser.add_argument("--profile", action="store_true", help="cProfile the engine run and print the top entries")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

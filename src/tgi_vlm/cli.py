@@ -243,3 +243,66 @@ def generate(
         typer.echo(line)
     if not result.final.ok:
         _fail(f"generation failed: {result.final.error}")
+
+
+@app.command()
+def bench(
+    model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    num_requests: int = 64,
+    images_per_request: int = 1,
+    image_min: Annotated[int, typer.Option(help="Smallest image side, pixels")] = 64,
+    image_max: Annotated[int, typer.Option(help="Largest image side, pixels")] = 448,
+    prompt_min: Annotated[int, typer.Option(help="Shortest prompt, text tokens")] = 16,
+    prompt_max: int = 128,
+    output_min: Annotated[int, typer.Option(help="Fewest new tokens")] = 16,
+    output_max: int = 64,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight (closed loop)")] = 16,
+    rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second instead of --concurrency")] = None,
+    seed: int = 0,
+    hf: Annotated[bool, typer.Option(help="Also run the workload through transformers generate (static batches)")] = True,
+    hf_batch_size: Annotated[Optional[int], typer.Option(help="Static batch size (default: --concurrency)")] = None,
+    max_batch_prefill_tokens: int = 2048,
+    max_input_tokens: int = 1024,
+    max_total_tokens: int = 2048,
+    profile: Annotated[bool, typer.Option(help="Sample the shard with py-spy (if installed)")] = False,
+    uds_path: Optional[str] = None,
+    out_dir: Path = Path("benchmarks/results"),
+    name: Optional[str] = None,
+    logger_level: str = "WARNING",
+) -> None:
+    """Serving benchmark: a synthetic image+text workload through the router and shard, vs transformers."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from tgi_vlm.router import bench as b
+    from tgi_vlm.router.router import RouterConfig
+    from tgi_vlm.router.tokens import TokenCounter
+    from tgi_vlm.router.workload import WorkloadSpec, make_workload
+
+    _setup_logging(logger_level, False)
+    spec = WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max, output_min,
+                        output_max, concurrency, rate, seed)
+    name = name or f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items = make_workload(spec, TokenCounter(model_id).tokenizer)
+    config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+                          max_batch_prefill_tokens=max_batch_prefill_tokens)
+    console = Console(stderr=True)
+    with Progress(console=console) as progress:
+        task = progress.add_task("tgi-vlm", total=len(items))
+        serving = asyncio.run(b.run_serving(
+            model_id, items, spec, uds_path=uds_path, config=config,
+            profile_to=out_dir / f"{name}.pyspy.txt" if profile else None, progress=lambda: progress.advance(task)))
+        reference = None
+        if hf:
+            ref_task = progress.add_task("transformers", total=len(items))
+            reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
+                                        progress=lambda n: progress.advance(ref_task, n))
+    report = b.summarize(spec, items, serving, reference, model_id)
+    Console().print(b.result_table(report))
+    for line in b.summary_lines(report):
+        typer.echo(line)
+    for path in b.write_results(report, out_dir, name):
+        typer.echo(f"wrote {path}")

@@ -14,12 +14,13 @@ class Reference:
 
 
 def hf_greedy(hf_model, inputs: dict, max_new_tokens: int) -> Reference:
-    """Greedy generation of exactly `max_new_tokens` (EOS ignored) with per-step raw logits."""
+    """Greedy generation of exactly `max_new_tokens` (EOS neither stops nor is masked) with per-step raw logits."""
     with torch.inference_mode():
         out = hf_model.generate(
             **inputs,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            # like ignore_eos_token: never stop at EOS, but never mask it either (min_new_tokens would)
+            eos_token_id=None,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,

@@ -133,3 +133,12 @@ def test_current_tokens_reports_the_next_forward(engine, runner):
     runner.prefill([make_request(0, PROMPTS[1], max_new_tokens=4, chunk_len=3), make_request(1, PROMPTS[0], max_new_tokens=4)])
     # request 1 prefilled and decodes (1 token); request 0 continues with 5 - 1 = 4 tokens
     assert runner.batch.to_pb().current_tokens == 1 + 4
+
+
+def test_ignore_eos_generation_continues_through_an_emitted_eos(runner, reference):
+    """On tiny llama this prompt's greedy continuation emits EOS at step 3; with ignore_eos both sides go on."""
+    prompt = "the quick brown fox jumps over the lazy dog"
+    runner.prefill([make_request(0, prompt, max_new_tokens=8, ignore_eos=True)])
+    runner.run()
+    assert_matches(runner, 0, reference(prompt, 8))
+    assert runner.finished[0].generated_tokens == 8

@@ -40,8 +40,8 @@ def torch_paged_attention(
         _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk)
     for index, span in enumerate(meta.prefills):
         q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
-        k_span = k_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
-        v_span = v_cache[span.slot_index].transpose(0, 1)[None].to(q.dtype)
+        k_span = _gather(k_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
+        v_span = _gather(v_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)
         mask = meta.prefill_mask(index, sliding_window, chunk)
         o = F.scaled_dot_product_attention(q_span, k_span, v_span, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[span.q_start : span.q_end] = o[0].transpose(0, 1)
@@ -63,11 +63,16 @@ def attention_chunk_size(module: torch.nn.Module) -> int | None:
 def _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk) -> None:
     group = meta.decode
     q_dec = (q if group.rows_are_all else q[group.rows])[:, :, None, :]  # [B, Hq, 1, D]
-    k_dec = k_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, max_kv, D]
-    v_dec = v_cache[group.slot_index].permute(0, 2, 1, 3).to(q.dtype)
+    k_dec = _gather(k_cache, group.slot_index).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, max_kv, D]
+    v_dec = _gather(v_cache, group.slot_index).permute(0, 2, 1, 3).to(q.dtype)
     mask = meta.decode_mask(sliding_window, chunk)
     o = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=mask, scale=scaling, enable_gqa=True)
     if group.rows_are_all:
         out.copy_(o[:, :, 0])
     else:
         out[group.rows] = o[:, :, 0]
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`cache[index]` for a long index of any shape; index_select is 2-4× faster than advanced indexing on CPU."""
+    return cache.index_select(0, index.reshape(-1)).view(*index.shape, *cache.shape[1:])

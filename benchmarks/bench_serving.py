@@ -1,0 +1,25 @@
+"""Serving benchmark: `tgi-vlm bench` (router + shard vs transformers generate), as a script.
+
+    python benchmarks/bench_serving.py MODEL_DIR [tgi-vlm bench options]
+    python benchmarks/bench_serving.py --bench-model   # the ~100M Qwen2-VL-shaped config, the issue's workload
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tgi_vlm.cli import app
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--bench-model"]:
+        from tgi_vlm.testing import tiny_model_path
+
+        argv = [str(tiny_model_path("qwen2_vl", size="bench")), "--num-requests", "64", "--concurrency", "16",
+                "--image-min", "64", "--image-max", "448", "--prompt-min", "16", "--prompt-max", "128",
+                "--output-min", "16", "--output-max", "64", "--profile", *argv[1:]]
+    app(["bench", *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
