@@ -37,7 +37,7 @@ LAUNCHER_ENV = {
     "CUDA_MEMORY_FRACTION": "1", "PREFIX_CACHING": "0", "ATTENTION": "paged",
     "TGI_VLM_CPU_KV_CACHE_GB": str(KV_CACHE_GB), "TGI_VLM_DEVICE": "cpu",
 }  # fmt: skip
-# Greedy continuations that never hit EOS: `hf_greedy` masks EOS (min_new_tokens) while ignore_eos lets us emit it.
+# Prompts used for parity with transformers greedy (EOS neither stops nor is masked on either side).
 PROMPTS = ["hello world this is", "numbers 1 2 3 and 4", "the quick brown fox jumps over the lazy dog and then some more words"]
 
 
