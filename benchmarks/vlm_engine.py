@@ -4,9 +4,12 @@
 text around them and 8-48 new tokens (EOS ignored), on the ~100M-parameter Qwen2-VL-shaped bench
 model, float32 on CPU.
 
-- engine: `get_model(path, EngineConfig(device="cpu"))` driven like the router: all requests
-  arrive at once in one Prefill, chunked prefill with a 512-token budget, Decode until done,
-  finished requests filtered out after every step (`tgi_vlm.testing.harness.Runner`).
+- engine: `get_model(path, EngineConfig(device="cpu"))` driven like TGI's v3 router with
+  chunking (`tgi_vlm.testing.harness.Runner` plus `RouterQueue` below): all requests arrive at
+  once; every loop admits whole requests while they fit the 512-token prefill budget the running
+  batch leaves (the one that overflows gets `chunk_len`, the shard prefills its rest in later
+  steps), sends Prefill(new, cached), then Decode; finished requests are filtered out after every
+  step. The router's prompt token counts are computed before the clock starts.
 - transformers, reference: `generate` on each request alone (same prompt text and images through
   the same processor). Its greedy tokens are what the engine must reproduce.
 - transformers, batched: `generate` in static batches of 8, left-padded through the processor,
@@ -34,6 +37,7 @@ import pstats
 import random
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -138,18 +142,51 @@ class EngineTimers:
         setattr(obj, name, timed)
 
 
+class RouterQueue:
+    """TGI v3's router admission with chunking: whole requests while they fit the prefill budget
+    left by the running batch's next forward; the request that overflows gets `chunk_len` = the
+    room left and the shard prefills the rest in later steps (`schedule`)."""
+
+    def __init__(self, jobs: list[Job], prompt_lens: dict[int, int], budget: int):
+        self.waiting = deque(jobs)
+        self.prompt_lens = prompt_lens
+        self.budget = budget
+        self.batches = 0
+
+    def next_batch(self, running) -> list | None:
+        room = self.budget - (0 if running is None else running.to_pb().current_tokens)
+        requests = []
+        while self.waiting and room > 0:
+            job = self.waiting.popleft()
+            n = self.prompt_lens[job.request_id]
+            chunk = {"chunk_len": room} if n > room else {}
+            requests.append(make_request(job.request_id, *job.chunks, max_new_tokens=job.max_new_tokens, **chunk))
+            room -= n
+        return requests or None
+
+
 def run_engine(engine, jobs: list[Job], profile: cProfile.Profile | None = None) -> tuple[float, dict[int, list[int]]]:
+    """All requests arrive at once; each loop is Prefill(new, cached) when the router admits some, then Decode."""
+    prompt_lens = {j.request_id: len(engine.tokenize_request(make_request(j.request_id, *j.chunks)).ids) for j in jobs}
+    queue = RouterQueue(jobs, prompt_lens, PREFILL_BUDGET)  # the router's token counts: outside the timing
     runner = Runner(engine)
     engine.logits_observer = None  # the runner's observer copies every logits row; not part of serving
-    requests = [make_request(j.request_id, *j.chunks, max_new_tokens=j.max_new_tokens) for j in jobs]
     if profile:
         profile.enable()
     start = time.perf_counter()
-    runner.prefill(requests)
-    runner.run()
+    batch_id = 1
+    runner.prefill(queue.next_batch(None), batch_id)
+    while runner.batch is not None:
+        new = queue.next_batch(runner.batch)
+        if new:
+            batch_id += 1
+            runner.prefill(new, batch_id)
+        if runner.batch is not None:
+            runner.step()
     elapsed = time.perf_counter() - start
     if profile:
         profile.disable()
+    assert not queue.waiting, "requests left in the queue"
     assert engine.kv_blocks_in_use == 0 and engine.encoder_cache.num_entries == 0, "engine leaked blocks or entries"
     return elapsed, dict(runner.tokens)
 
@@ -238,9 +275,7 @@ def bench(args) -> dict:
     engine_times = dict(timers.totals)
     if args.engine_only:
         print(f"engine {engine_s:.2f} s, {throughput(engine_s, jobs)['tok_s']:.1f} tok/s; {engine_times}")
-        if profile:
-            print(profile_summary(profile))
-        raise SystemExit(0)
+        return dict(profile=profile_summary(profile)) if profile else {}
     batched_s, batched = hf.run(jobs, HF_BATCH)
     single_s, reference = hf.run(jobs, 1)
 
@@ -274,14 +309,16 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version())
+                transformers=transformers.__version__, python=platform.python_version(),
+                load_avg_1m=os.getloadavg()[0])  # other processes on the same cores skew every number
 
 
 def markdown(result: dict) -> str:
     m, w, t = result["machine"], result["workload"], result["engine_times"]
     n = w["requests"]
     rows = [
-        ("engine (continuous batching, prefill budget 512)", result["engine"], f"{result['engine_match']}/{n}"),
+        ("engine (continuous batching, router admission, prefill budget 512)", result["engine"],
+         f"{result['engine_match']}/{n}"),
         ("transformers generate, static batches of 8 (left padding)", result["hf_batched"],
          f"{result['hf_batched_match']}/{n}"),
         ("transformers generate, one request at a time (reference)", result["hf_single"], "—"),
@@ -291,7 +328,8 @@ def markdown(result: dict) -> str:
         "",
         f"bench qwen2_vl ({result['params_m']:.1f}M params), float32, CPU: {m['cpu']}, {m['cores']} cores, "
         f"torch threads {m['torch_threads']}, torch {m['torch']}, transformers {m['transformers']}"
-        + (" (--quick)" if result["quick"] else ""),
+        + (" (--quick)" if result["quick"] else "")
+        + (f"; 1-min load average {m['load_avg_1m']:.1f} at the end" if "load_avg_1m" in m else ""),
         "",
         f"{n} requests, {w['images']} images of {w['image_px']['min']}-{w['image_px']['max']} px a side, "
         f"{w['words']['min']}-{w['words']['max']} words; prompts {w['prompt_tokens']['min']}-{w['prompt_tokens']['max']} "
@@ -328,11 +366,15 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")  # transformers 5.x rename
     torch.manual_seed(0)
 
+    results = bench(args)
+    if args.engine_only:
+        print(results.get("profile", ""))
+        return
     result = dict(
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         machine=machine(),
         quick=args.quick,
-        **bench(args),
+        **results,
     )
     report = markdown(result)
     print(report)

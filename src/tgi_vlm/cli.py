@@ -290,7 +290,9 @@ def bench(
     config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                           max_batch_prefill_tokens=max_batch_prefill_tokens)
     console = Console(stderr=True)
-    with Progress(console=console) as progress:
+    # Not a terminal (CI, a log file): rich draws nothing live, so print plain lines at every 10%.
+    progress_type = Progress if console.is_terminal else _PlainProgress
+    with progress_type(console=console) as progress:
         task = progress.add_task("tgi-vlm", total=len(items))
         serving = asyncio.run(b.run_serving(
             model_id, items, spec, uds_path=uds_path, config=config,
@@ -301,8 +303,32 @@ def bench(
             reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
                                         progress=lambda n: progress.advance(ref_task, n))
     report = b.summarize(spec, items, serving, reference, model_id)
-    Console().print(b.result_table(report))
+    Console(width=140).print(b.result_table(report))
     for line in b.summary_lines(report):
         typer.echo(line)
     for path in b.write_results(report, out_dir, name):
         typer.echo(f"wrote {path}")
+
+
+class _PlainProgress:
+    """The slice of rich's Progress that `bench` uses, as plain stderr lines."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.tasks: dict[int, list] = {}
+
+    def __enter__(self) -> "_PlainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def add_task(self, description: str, total: int) -> int:
+        self.tasks[len(self.tasks)] = [description, total, 0]
+        return len(self.tasks) - 1
+
+    def advance(self, task: int, n: int = 1) -> None:
+        description, total, done = self.tasks[task]
+        self.tasks[task][2] = done + n
+        if (done + n) * 10 // total > done * 10 // total:
+            self.console.print(f"{description}: {done + n}/{total}")

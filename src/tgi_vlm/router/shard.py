@@ -50,8 +50,10 @@ class ShardProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while not os.path.exists(self.socket):
             if self.process.poll() is not None:
-                raise RuntimeError(f"the shard exited with code {self.process.returncode} before binding "
-                                   f"{self.socket}; its log ends with:\n{self.log_tail()}")
+                message = (f"the shard exited with code {self.process.returncode} before binding "
+                           f"{self.socket}; its log ends with:\n{self.log_tail()}")
+                self.stop()
+                raise RuntimeError(message)
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"the shard did not bind {self.socket} within {self.startup_timeout_s:.0f} s")
