@@ -16,11 +16,12 @@ model, float32 on CPU.
   each batch run to its largest max_new_tokens; only each request's own tokens count. Padding
   can move float results slightly, so its tokens are compared with the reference too.
 
-The ratio is engine tokens/s ÷ the faster transformers mode (target ≥ 2×). The vision-encoder
+Engine and batched transformers alternate `--repeat` times (default 2) and the fastest run of
+each counts. The ratio is engine tokens/s ÷ the faster transformers mode (target ≥ 2×). The vision-encoder
 share is the time inside `adapter.encode` (wrapped here, not edited) over the time of the steps
 that prefill at least one token.
 
-    .venv/bin/python benchmarks/vlm_engine.py [--quick] [--threads 2] [--profile] [--engine-only]
+    .venv/bin/python benchmarks/vlm_engine.py [--quick] [--threads 2] [--repeat 2] [--profile] [--engine-only]
 
 Writes benchmarks/results/vlm_engine.{json,md} (--quick: vlm_engine-quick.{json,md}).
 """
@@ -269,14 +270,23 @@ def bench(args) -> dict:
 
     run_engine(engine, make_workload(2, quick=True, seed=99))  # warm both paths once
     hf.run(make_workload(2, quick=True, seed=99), HF_BATCH)
-    timers.reset()
+    # Engine and batched transformers alternate `repeat` times and keep their fastest run, so load
+    # from other processes on the same cores hits both alike.
+    engine_s = batched_s = float("inf")
     profile = cProfile.Profile() if args.profile else None
-    engine_s, ours = run_engine(engine, jobs, profile)
-    engine_times = dict(timers.totals)
+    for attempt in range(args.repeat):
+        engine.encoder_cache.clear_shared()  # a repeat must not reuse the last run's vision features
+        timers.reset()
+        seconds, ours = run_engine(engine, jobs, profile if attempt == 0 else None)
+        if seconds < engine_s:
+            engine_s, engine_times = seconds, dict(timers.totals)
+        if args.engine_only:
+            continue
+        seconds, batched = hf.run(jobs, HF_BATCH)
+        batched_s = min(batched_s, seconds)
     if args.engine_only:
         print(f"engine {engine_s:.2f} s, {throughput(engine_s, jobs)['tok_s']:.1f} tok/s; {engine_times}")
         return dict(profile=profile_summary(profile)) if profile else {}
-    batched_s, batched = hf.run(jobs, HF_BATCH)
     single_s, reference = hf.run(jobs, 1)
 
     results = dict(
@@ -360,6 +370,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 smaller requests, for a smoke test")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-only", action="store_true", help="time only the engine run; print, write nothing")
+    parser.add_argument("--repeat", type=int, default=2, help="alternating engine/batched runs; the fastest counts")
     parser.add_argument("--profile", action="store_true", help="cProfile the engine run and print the top entries")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -123,3 +123,28 @@ def test_text_only_model_refuses_an_image_but_ignores_it_in_warmup():
         engine.batch_from_pb(make_batch(1, [make_request(4, "hello ", IMG)]))
     assert engine.warmup(router_warmup())[1:] == (40, 64)
     assert engine.kv_blocks_in_use == 0
+
+
+def test_warmup_whose_truncation_cuts_the_image_still_succeeds(engine):
+    """The router sizes warmup from its own limits; an image its truncation cuts is left out."""
+    supported, max_input, max_total = engine.warmup(router_warmup(truncate=3, max_total=16))
+    assert (max_input, max_total) == (3, 16)
+    assert engine.kv_blocks_in_use == 0 and engine.encoder_cache.num_entries == 0
+    engine.warmup(router_warmup())  # back to the module's usual limits
+
+
+def test_add_special_tokens_false_is_passed_to_the_processor(engine, arch):
+    """TGI's chat route sends add_special_tokens=false (the template already holds <bos>)."""
+    text = engine.tokenizer.bos_token or ""
+    chunks = (text + "Look at ", IMG, " and describe it")
+    ours = engine.tokenize_request(make_request(0, *chunks, add_special_tokens=False)).ids
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(IMG)).convert("RGB")
+    prompt = engine.adapter.build_prompt([chunks[0], None, chunks[2]])
+    expected = engine.adapter.process(prompt, [image], add_special_tokens=False)["input_ids"][0].tolist()
+    assert ours == expected
+    if arch != "paligemma" and engine.tokenizer.bos_token_id is not None:
+        assert ours.count(engine.tokenizer.bos_token_id) <= 1  # no double <bos>

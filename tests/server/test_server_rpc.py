@@ -154,7 +154,7 @@ def test_unknown_batch_ids_are_not_found():
             for call in calls:
                 error = await rpc_error(call)
                 assert error.code() == grpc.StatusCode.NOT_FOUND and "batch 5" in error.details()
-            assert model.released == [6]  # the new batch of the failed Prefill
+            assert model.released == []  # the unknown cached batch is found out before the new one is built
             assert model.forwards == []
 
     run(scenario)
@@ -251,5 +251,42 @@ def test_health_answers_while_a_forward_is_running():
             assert not prefill.done()
             model.forward_may_finish.set()
             assert (await prefill).batch.id == 1
+
+    run(scenario)
+
+
+def test_a_cached_batch_left_by_a_refused_prefill_is_released_unless_the_next_call_names_it():
+    """TGI's router fails every request after a refused Prefill(new, cached) and never names that
+    batch again; our driver resends the good requests with it. Both must end with nothing leaked."""
+
+    async def scenario():
+        model = FakeModel()
+        async with running_shard(model) as shard:
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(1, [1])))
+            bad = make_batch(2, [2], inputs="bad")  # the fake model refuses it
+            error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=bad, cached_batch=cached(1))))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert shard.service.cache.ids() == [1]  # untouched by the refusal
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(3, [3]), cached_batch=cached(1)))
+            assert 1 in shard.service.cache  # resumed: named by the next call
+
+            error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=bad, cached_batch=cached(1))))
+            released_before = list(model.released)
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(4, [4])))  # TGI-style: a fresh batch
+            assert 1 not in shard.service.cache
+            assert len(model.released) > len(released_before)
+
+    run(scenario)
+
+
+def test_prefill_refuses_ids_that_would_make_the_cache_ambiguous():
+    async def scenario():
+        async with running_shard(FakeModel()) as shard:
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(1, [1, 2])))
+            error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(1, [5]))))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "already cached" in error.details()
+            error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(2, [2]), cached_batch=cached(1))))
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "[2]" in error.details()
+            assert shard.service.cache.ids() == [1]
 
     run(scenario)

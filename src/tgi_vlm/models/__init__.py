@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
 
     backend = resolve_backend(config.attention, config.device)
     attn_name = register_attention(backend)
+    config = dataclasses.replace(config, attention=backend)  # what actually runs (Info reports it)
     hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     dtype = DTYPES[config.torch_dtype_name]
     if _is_vision_language(hf_config):

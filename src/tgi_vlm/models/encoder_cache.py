@@ -60,6 +60,8 @@ class EncoderCache:
 
     def remember(self, content_hash: str, features: torch.Tensor) -> None:
         size = features.numel() * features.element_size()
+        if features.untyped_storage().nbytes() > size:
+            features = features.clone()  # a view (e.g. one image of a batched vision call) would pin the whole batch
         if size > self.shared_capacity or content_hash in self._shared:
             return
         self._shared[content_hash] = features

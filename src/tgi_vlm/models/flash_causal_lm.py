@@ -68,12 +68,18 @@ class FlashCausalLMBatch:
         if errors:
             raise InvalidBatch(errors)
         seqs: list[Sequence] = []
-        try:
-            for request, prompt in prepared:
+        errors = []
+        for request, prompt in prepared:
+            try:
                 seqs.append(model.make_sequence(request, prompt, liveness=pb.id == LIVENESS_BATCH_ID, warmup=warmup))
-        except InvalidRequest as exc:
+            except InvalidRequest as exc:
+                errors.append(exc)
+            except BaseException:
+                cls(pb.id, seqs, model).release()  # nothing built so far may keep its blocks
+                raise
+        if errors:
             cls(pb.id, seqs, model).release()
-            raise InvalidBatch([exc]) from None
+            raise InvalidBatch(errors)
         return cls(pb.id, seqs, model)
 
     def __len__(self) -> int:
@@ -136,6 +142,8 @@ class FlashCausalLM(ShardModel):
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
         self.allocator: BlockAllocator | None = None
+        # TGI's vocabulary: our torch backend is paged attention ("paged"); flashinfer is itself.
+        self.attention_impl = "flashinfer" if config.attention == "flashinfer" else "paged"
         self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
         # Test/debug hook: called as observer(request_ids, logits[B, V]) with every sampled step's logits.
         self.logits_observer = None
@@ -160,13 +168,15 @@ class FlashCausalLM(ShardModel):
         if self.kv_cache is None:
             self.allocate_kv_cache(self.default_num_blocks())
 
-    def default_num_blocks(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.cuda_memory_fraction * self.config.wiggle_room
-        else:
-            budget = self.config.cpu_kv_cache_bytes
-        return max(2, int(budget // self.kv_spec.bytes_per_block))
+    def default_num_blocks(self, reclaimable_blocks: int = 0) -> int:
+        """KV blocks that fit. GPU: TGI's rule, (free − (1 − CUDA_MEMORY_FRACTION)·total)·wiggle room,
+        less the cross-request encoder cache's budget, plus blocks of a cache about to be dropped."""
+        if self.device.type != "cuda":
+            return max(2, int(self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block))
+        free, total = torch.cuda.mem_get_info(self.device)
+        usable = max(0.0, free - (1 - self.config.cuda_memory_fraction) * total)
+        budget = usable * self.config.wiggle_room - self.config.encoder_cache_bytes
+        return max(2, int(budget // self.kv_spec.bytes_per_block) + reclaimable_blocks)
 
     @property
     def kv_blocks_in_use(self) -> int:
@@ -235,8 +245,8 @@ class FlashCausalLM(ShardModel):
         total = len(ids) + (1 if warmup else stopping.max_new_tokens)
         needed_slots = total - 1  # the last generated token is never fed back
         block_table, owns, slots = self._slots_for(request, total)
-        if liveness and slots:
-            # TGI's health check sends a few slots of reserved block 0; its output is discarded.
+        if liveness and slots and max(slots) < self.config.block_size:
+            # TGI's health check writes only into reserved block 0 (blocks=[0]); its output is discarded.
             slots = [slots[i % len(slots)] for i in range(needed_slots)]
         if len(slots) < needed_slots:
             raise InvalidRequest(
@@ -355,13 +365,14 @@ class FlashCausalLM(ShardModel):
             generations.append(self._emit(w.seq, chosen.ids[i], chosen.logprobs[i], top))
         return generations
 
-    def _accumulate_prefill_logprobs(self, w, hidden: torch.Tensor) -> None:
+    def _accumulate_prefill_logprobs(self, w, hidden: torch.Tensor, rows_per_chunk: int = 256) -> None:
         seq = w.seq
         last = min(w.end, seq.prompt_len - 1)  # rows predicting prompt tokens start+1 .. last
-        if last <= w.start:
-            return
-        logits = self.compute_logits(hidden[w.row : w.row + last - w.start])
-        seq.prefill_logprob_values.extend(prefill_logprobs(logits, seq.all_ids[w.start + 1 : last + 1]))
+        # Row chunks keep the float32 [rows, vocab] logits small (262k-token vocabularies exist).
+        for start in range(w.start, last, rows_per_chunk):
+            end = min(start + rows_per_chunk, last)
+            logits = self.compute_logits(hidden[w.row + start - w.start : w.row + end - w.start])
+            seq.prefill_logprob_values.extend(prefill_logprobs(logits, seq.all_ids[start + 1 : end + 1]))
 
     def _emit(self, seq: Sequence, token_id: int, logprob: float, top) -> Generation:
         prefill_tokens = None
@@ -412,7 +423,7 @@ class FlashCausalLM(ShardModel):
             speculate=0,
             support_chunking=self.config.prefill_chunking,
             use_prefix_caching=False,
-            attention_impl=self.config.attention,
+            attention_impl=self.attention_impl,
             block_size=self.config.block_size,
         )
 

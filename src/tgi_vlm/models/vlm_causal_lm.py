@@ -27,6 +27,10 @@ from tgi_vlm.models.step import StepInputs
 from tgi_vlm.pb import generate_pb2
 
 
+class _ImageCutInWarmup(Exception):
+    pass
+
+
 @dataclass
 class ImagePrompt(TokenizedPrompt):
     images: list[ImageSpan] = field(default_factory=list)
@@ -38,16 +42,17 @@ class ImagePrompt(TokenizedPrompt):
 class VlmSequence(Sequence):
     images: list[ImageSpan] = field(default_factory=list)
     extras: dict = field(default_factory=dict)  # adapter state, e.g. mrope rows
-    bidirectional_groups: torch.Tensor | None = None  # [prompt_len] on the model's device
+    bidirectional_groups: torch.Tensor | None = None  # [prompt_len] on the model's device (attention masks)
+    group_ids: list[int] | None = None  # the same on the host, for scheduling without device syncs
 
     def align_chunk(self, n: int) -> int:
         """Never end a chunk inside a bidirectional block: its earlier tokens must see its later ones."""
-        groups = self.bidirectional_groups
+        groups = self.group_ids
         end = self.num_computed + n
         if groups is None or end >= self.prompt_len:
             return n
-        group = int(groups[end - 1])
-        while group >= 0 and end < self.prompt_len and int(groups[end]) == group:
+        group = groups[end - 1]
+        while group >= 0 and end < self.prompt_len and groups[end] == group:
             end += 1
         return end - self.num_computed
 
@@ -79,9 +84,17 @@ class VlmCausalLM(FlashCausalLM):
     # ----- requests -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> ImagePrompt:
         parts, images = self._decode_chunks(request)
+        try:
+            return self._tokenize(request, parts, images, self._digests(request), warmup=warmup)
+        except _ImageCutInWarmup as cut:
+            # The router sizes warmup from its own limits; an image its truncation cuts is left out.
+            logger.warning("warmup request {}: {}; warming up without images", request.id, cut)
+            return self._tokenize(request, [p for p in parts if p is not None], [], [], warmup=warmup)
+
+    def _tokenize(self, request, parts: list[str | None], images: list, digests: list[str], *, warmup: bool) -> ImagePrompt:
         text = self.adapter.build_prompt(parts)
         try:
-            processed = self.adapter.process(text, images)
+            processed = self.adapter.process(text, images, add_special_tokens=request.add_special_tokens)
             per_image = [self.adapter.image_inputs(img) for img in images]
         except Exception as exc:  # noqa: BLE001 - any processor failure on user content is that request's problem
             raise InvalidRequest(request.id, f"the processor rejected the input: {type(exc).__name__}: {exc}") from None
@@ -93,10 +106,10 @@ class VlmCausalLM(FlashCausalLM):
         spans = [
             ImageSpan(i, offset, length, embed_index, int((embed_index >= 0).sum()), digest, pixels)
             for i, ((offset, length, embed_index), (pixels, _), digest) in enumerate(
-                zip(located, per_image, self._digests(request))
+                zip(located, per_image, digests)
             )
         ]
-        ids, processed, spans = self._truncate_with_images(request, ids, processed, spans)
+        ids, processed, spans = self._truncate_with_images(request, ids, processed, spans, warmup=warmup)
         return ImagePrompt(
             ids=ids,
             images=spans,
@@ -133,12 +146,15 @@ class VlmCausalLM(FlashCausalLM):
             if c.WhichOneof("chunk") == "image"
         ]
 
-    def _truncate_with_images(self, request, ids, processed, spans):
-        """Keep the last `truncate` tokens; images wholly cut off are dropped, one cut through is an error."""
+    def _truncate_with_images(self, request, ids, processed, spans, *, warmup: bool = False):
+        """Keep the last `truncate` tokens; images wholly cut off are dropped, one cut through is an error
+        (in warmup: the request is re-tokenized without images, see tokenize_request)."""
         if not request.truncate or len(ids) <= request.truncate:
             return ids, processed, spans
         cut = len(ids) - request.truncate
         for span in spans:
+            if span.offset < cut < span.end and warmup:
+                raise _ImageCutInWarmup(f"truncate={request.truncate} cuts image {span.index}")
             if span.offset < cut < span.end:
                 raise InvalidRequest(
                     request.id,
@@ -162,6 +178,7 @@ class VlmCausalLM(FlashCausalLM):
             images=prompt.images,
             extras=prompt.extras,
             bidirectional_groups=None if groups is None else groups.to(self.device),
+            group_ids=None if groups is None else groups.tolist(),
         )
 
     def release_sequences(self, seqs: list[Sequence]) -> None:

@@ -21,11 +21,13 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
     max_prefill = request.max_prefill_tokens
     model.max_total_tokens = None  # the warmup batch is checked against the new limits, not old ones
     _run_warmup_batch(model, request.batch, max_prefill)
-    model.kv_cache = None
     if model.device.type == "cuda":
+        # Measure while the warmup's peak activations are still reserved by the caching allocator and
+        # its temporary cache is still held (its blocks are added back), as TGI does.
         torch.cuda.synchronize(model.device)
-        torch.cuda.empty_cache()
-    num_blocks = model.default_num_blocks()
+    temporary_blocks = model.kv_cache.num_blocks if model.kv_cache is not None else 0
+    num_blocks = model.default_num_blocks(reclaimable_blocks=temporary_blocks)
+    model.kv_cache = None
     model.allocate_kv_cache(num_blocks)
     supported = num_blocks * model.config.block_size
     model.prefill_budget = max_prefill if model.config.prefill_chunking and max_prefill else model.prefill_budget

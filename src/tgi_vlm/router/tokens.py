@@ -58,8 +58,8 @@ class TokenCounter:
             return len(self.tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
         text = self.adapter.build_prompt(parts)
         try:
-            processed = self.adapter.process(text, images)
-        except (ValueError, RuntimeError, TypeError, IndexError) as exc:
+            processed = self.adapter.process(text, images, add_special_tokens=request.add_special_tokens)
+        except Exception as exc:  # noqa: BLE001 - the processor's failure on user content
             raise CountError(f"request {request.id}: the processor rejected the input: {exc}") from None
         return int(processed["input_ids"].shape[-1])
 

@@ -106,6 +106,10 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         # One thread: torch's per-thread state (inference mode, current stream) stays put, and
         # work left running by a cancelled RPC still finishes before the next call starts.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tgi-vlm-model")
+        # Cached batches left untouched by a refused Prefill(new, cached). A router that resends the
+        # good requests names them in its next call; TGI's router instead fails every request and
+        # never names that batch again, so one left unnamed by the next call is released.
+        self._suspended: set[int] = set()
 
     def close(self) -> None:
         """Wait for in-flight model work, then stop the worker thread."""
@@ -149,12 +153,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     @_rpc
     async def Warmup(self, request, context) -> generate_pb2.WarmupResponse:
-        if len(self.cache):
-            # Warmup re-sizes the KV cache, which would invalidate every cached batch's blocks.
-            raise InvalidArgument(
-                f"Warmup while {len(self.cache)} batch(es) are cached (ids {self.cache.ids()}); send ClearCache first"
-            )
-        max_supported, max_input, max_total = await self._on_model_thread(self.model.warmup, request)
+        max_supported, max_input, max_total = await self._on_model_thread(self._warmup, request)
         return generate_pb2.WarmupResponse(
             max_supported_total_tokens=max_supported, max_input_tokens=max_input, max_total_tokens=max_total
         )
@@ -181,7 +180,24 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     # -- model thread ---------------------------------------------------------------------
 
+    def _release_suspended(self, named: set[int]) -> None:
+        """Release batches a refused Prefill left behind, unless this call names them."""
+        for batch_id in self._suspended - named:
+            if self.cache.drop(batch_id):
+                logger.info("released batch {}: left by a refused Prefill and not resumed", batch_id)
+        self._suspended.clear()
+
+    def _warmup(self, request: generate_pb2.WarmupRequest):
+        self._release_suspended(set())
+        if len(self.cache):
+            # Warmup re-sizes the KV cache, which would invalidate every cached batch's blocks.
+            raise InvalidArgument(
+                f"Warmup while {len(self.cache)} batch(es) are cached (ids {self.cache.ids()}); send ClearCache first"
+            )
+        return self.model.warmup(request)
+
     def _clear_cache(self, batch_id: int | None) -> None:
+        self._release_suspended(set() if batch_id is None else {batch_id})
         if batch_id is None:
             released = self.cache.clear()
             logger.debug("cleared {} cached batch(es)", len(released))
@@ -189,6 +205,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             logger.debug("ClearCache: batch {} was not cached", batch_id)
 
     def _filter_batch(self, batch_id: int, request_ids: list[int]) -> generate_pb2.CachedBatch:
+        self._release_suspended({batch_id})
         batch = self.cache.get(batch_id)
         if not request_ids:
             raise InvalidArgument(f"FilterBatch of batch {batch_id} keeps no request; use ClearCache({batch_id})")
@@ -203,18 +220,31 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     def _prefill(self, request: generate_pb2.PrefillRequest) -> generate_pb2.PrefillResponse:
         start = time.perf_counter_ns()
-        new = self.model.batch_from_pb(request.batch)
-        batches = [new]
-        if request.HasField("cached_batch"):
-            try:
-                batches = [self.cache.pop(request.cached_batch.id), new]
-            except BatchNotFound:
-                release_quietly(new)
-                raise
+        cached_id = request.cached_batch.id if request.HasField("cached_batch") else None
+        self._release_suspended(set() if cached_id is None else {cached_id})
+        self._check_new_batch(request.batch, cached_id)
+        try:
+            new = self.model.batch_from_pb(request.batch)
+        except Exception:
+            if cached_id is not None:
+                self._suspended.add(cached_id)  # left as it was; see _release_suspended
+            raise
+        batches = [new] if cached_id is None else [self.cache.pop(cached_id), new]
         return self._step(batches, start, generate_pb2.PrefillResponse)
+
+    def _check_new_batch(self, batch: generate_pb2.Batch, cached_id: int | None) -> None:
+        """Refuse ids that would make the cache ambiguous, before any work (TGI's router never sends these)."""
+        if batch.id in self.cache and batch.id != cached_id:
+            raise InvalidArgument(f"Prefill: batch id {batch.id} is already cached; ClearCache({batch.id}) first")
+        if cached_id is None:
+            return
+        shared = sorted(set(self.cache.get(cached_id).request_ids) & {r.id for r in batch.requests})
+        if shared:
+            raise InvalidArgument(f"Prefill: request id(s) {shared} are already in cached batch {cached_id}")
 
     def _decode(self, batch_ids: list[int]) -> generate_pb2.DecodeResponse:
         start = time.perf_counter_ns()
+        self._release_suspended(set(batch_ids))
         return self._step(self.cache.pop_all(batch_ids), start, generate_pb2.DecodeResponse)
 
     def _step(self, batches: list[CacheableBatch], start: int, response_type: type[T]) -> T:

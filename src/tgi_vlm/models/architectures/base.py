@@ -38,10 +38,16 @@ class VlmAdapter:
         """Prompt text from the request's chunks in order (None marks an image)."""
         return "".join(self.image_placeholder() if p is None else p for p in parts)
 
-    def process(self, text: str, images: list) -> dict:
-        """The processor on the whole prompt: token ids (placeholders expanded) and side inputs."""
+    def process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
+        """The processor on the whole prompt: token ids (placeholders expanded) and side inputs.
+
+        `add_special_tokens` is the request's flag: TGI's chat route sends False because the chat
+        template already holds <bos>.
+        """
         kwargs = {"images": images} if images else {}
-        return dict(self.processor(text=[text], return_tensors="pt", **kwargs))
+        return dict(
+            self.processor(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
+        )
 
     def image_inputs(self, image) -> tuple[dict, int]:
         """This image alone through the processor: (pixel inputs, number of embedding tokens).
