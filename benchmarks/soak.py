@@ -24,8 +24,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tgi_vlm.router import FinalEvent, RequestParams, Router, RouterConfig, ShardClient, ShardProcess, TokenCounter
-from tgi_vlm.router.requests import TokenEvent
+from tgi_vlm.router import (
+    FinalEvent,
+    RequestParams,
+    Router,
+    RouterConfig,
+    ShardClient,
+    ShardProcess,
+    TokenCounter,
+    TokenEvent,
+)
 from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import jpeg_bytes, make_test_image, png_bytes, tiny_model_path
 

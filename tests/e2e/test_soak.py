@@ -20,11 +20,13 @@ from tgi_vlm.testing import tiny_model_path
 
 ARCH = "qwen2_vl"
 CONFIG = SoakConfig(requests=300, concurrency=16, warmup_requests=48, cancel_fraction=0.1, seed=0)
-# The tiny model's tensors are KB-sized, so after warm-up (allocator pools, processor and tokenizer
-# caches, gRPC buffers, the cross-request encoder cache holding the 24 pool images) steady-state
-# growth is allocator noise: a leak of one request's state (KV slot tensors, images, encoder
-# outputs, detokenizer) per request would show as steady growth. Measured: see README "Robustness".
-RSS_GROWTH_BOUND_MB = 150
+# After warm-up (allocator pools, processor and tokenizer caches, gRPC buffers, the cross-request
+# encoder cache holding the 24 pool images) the shard's state per request is freed, so what is left
+# is malloc noise: benchmarks/soak.py measured +0.3 MB over 1,882 requests in 5 minutes (VmRSS ~1.04
+# GB, mostly torch). 64 MB leaves room for allocator arenas on a busy CI machine and still catches
+# a leak of ~250 KB per request (252 measured requests); smaller leaks show as a steady slope in
+# the benchmark's RSS samples over a longer run.
+RSS_GROWTH_BOUND_MB = 64
 
 
 @pytest.fixture(scope="module")
