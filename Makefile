@@ -33,7 +33,8 @@ run: install
 bench: install
 	$(PY) benchmarks/engine_step.py
 
-gpu-check: install
+# No `install` dependency: the GPU machine brings its own torch and may have no package index.
+gpu-check:
 	bash benchmarks/gpu_check.sh
 
 clean:

@@ -42,4 +42,5 @@ class BuildPyWithStubs(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+if __name__ == "__main__":  # setuptools' build backend runs this file as __main__; importers get generate_stubs
+    setup(cmdclass={"build_py": BuildPyWithStubs})

@@ -14,6 +14,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
+# The gRPC stubs are generated at install time and git-ignored: build them here when missing
+# (needs grpcio-tools), or carry src/tgi_vlm/pb from a machine where the package is installed.
+if [ ! -f src/tgi_vlm/pb/generate_pb2.py ]; then
+    "$PY" -c "import runpy; runpy.run_path('setup.py', run_name='stubs')['generate_stubs']()" \
+        || { echo "gRPC stubs missing and grpcio-tools unavailable: carry src/tgi_vlm/pb" >&2; exit 2; }
+fi
+
 "$PY" - <<'PY' 2>&1 | tee "$RESULTS/environment.txt"
 import importlib.util, torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
