@@ -251,7 +251,7 @@ def main() -> None:
 
     result = asyncio.run(run())
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": model, "config": asdict(config), **result.to_json()}, indent=1))
+    args.out.write_text(json.dumps({"model": Path(str(model)).name, "config": asdict(config), **result.to_json()}, indent=1))
     print(f"{result.requests} requests in {result.duration_s} s: {dict(result.outcomes)}; errors {dict(result.errors)}")
     print(f"VmRSS after warm-up {result.rss_after_warmup_mb:.1f} MB, at the end {result.rss_end_mb:.1f} MB "
           f"(growth {result.rss_growth_mb:+.1f} MB); allocator full: {result.allocator_full}; "

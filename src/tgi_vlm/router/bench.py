@@ -208,7 +208,7 @@ def summarize(spec: WorkloadSpec, items: list[WorkItem], serving: ServingResult,
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.itl_s]
     report = {
-        "model": model_id,
+        "model": Path(model_id).name,  # no local paths in results
         "workload": spec.to_dict(),
         "prompt_tokens_mean": float(np.mean([it.prompt_tokens for it in items])),
         "output_tokens": sum(it.params.max_new_tokens for it in items),
