@@ -180,7 +180,8 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
 
     def generate(inputs: dict, n: int):
         with torch.inference_mode():
-            return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            # like ignore_eos_token: EOS neither stops generation nor is masked (min_new_tokens would mask it)
+            return model.generate(**inputs, max_new_tokens=n, eos_token_id=None, do_sample=False)
 
     generate(inputs_for(items[:1]), 2)  # warm
     outputs: list[list[int]] = []
