@@ -32,6 +32,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import load_engine
+from tests.e2e.driving import CONFIG, drive_router, tokens_of
 from tests.server.rpc_harness import rpc_error, running_shard
 from tgi_vlm.config import InputLimits
 from tgi_vlm.pb import generate_pb2 as pb
@@ -39,7 +40,6 @@ from tgi_vlm.router import (
     FinalEvent,
     RequestParams,
     Router,
-    RouterConfig,
     ShardClient,
     ShardProcess,
     TokenCounter,
@@ -58,7 +58,6 @@ SHARD_ENV = {
     "TGI_VLM_MAX_IMAGE_BYTES": str(LIMITS.max_image_bytes),
     "TGI_VLM_MAX_IMAGE_PIXELS": str(LIMITS.max_image_pixels),
 }
-CONFIG = RouterConfig(max_input_tokens=200, max_total_tokens=300, max_batch_prefill_tokens=256)
 VOCAB = 663  # the tiny Qwen2-VL's vocabulary
 
 
@@ -220,28 +219,8 @@ def lenient(counter: TokenCounter) -> Callable[[pb.Request], int]:
 
 
 def drive(socket: str, count_tokens, scenario, timeout: float = 120.0):
-    """Run `scenario(router, client)` with a fresh router; the router's allocator must be full again after."""
-
-    async def main():
-        client = WireClient(ShardClient(socket))
-        router = HeldRouter(client, count_tokens, CONFIG)
-        await router.start()
-        loop = asyncio.create_task(router.run())
-        try:
-            result = await asyncio.wait_for(scenario(router, client), timeout)
-            assert router.allocator.is_full, f"{router.allocator.num_free}/{router.allocator.capacity} blocks free"
-            return result
-        finally:
-            router.stop()
-            await loop
-            await client.close()
-
-    return asyncio.run(main())
-
-
-async def tokens_of(stream) -> tuple[list[int], FinalEvent]:
-    tokens, final = await stream.final()
-    return [t.token_id for t in tokens], final
+    """Run `scenario(router, client)` with a fresh held router; the router's allocator must be full again after."""
+    return drive_router(socket, count_tokens, scenario, client=WireClient, router=HeldRouter, timeout=timeout)
 
 
 @dataclass

@@ -11,13 +11,12 @@ from collections import Counter
 
 import pytest
 
+from tests.e2e.driving import drive_router, tokens_of
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router import (
-    FinalEvent,
     RequestParams,
     Router,
-    RouterConfig,
     ShardClient,
     ShardProcess,
     TokenCounter,
@@ -27,7 +26,6 @@ from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 
 ARCH = "qwen2_vl"
 SHARD_ENV = {"TGI_VLM_CPU_KV_CACHE_GB": "0.05", "TGI_VLM_DEVICE": "cpu", "ATTENTION": "paged", "PREFIX_CACHING": "0"}
-CONFIG = RouterConfig(max_input_tokens=200, max_total_tokens=300, max_batch_prefill_tokens=256)
 
 
 def image(width: int, height: int, seed: int) -> bytes:
@@ -84,27 +82,7 @@ def counter():
 
 def run_with_router(shard, count_tokens, scenario, timeout: float = 60.0):
     """Run `scenario(router, client)` against a fresh router over the module's shard; check blocks come back."""
-
-    async def main():
-        client = CountingClient(ShardClient(shard.socket))
-        router = Router(client, count_tokens, CONFIG)
-        await router.start()
-        loop = asyncio.create_task(router.run())
-        try:
-            result = await asyncio.wait_for(scenario(router, client), timeout)
-            assert router.allocator.is_full, f"{router.allocator.num_free}/{router.allocator.capacity} blocks free"
-            return result
-        finally:
-            router.stop()
-            await loop
-            await client.close()
-
-    return asyncio.run(main())
-
-
-async def tokens_of(stream) -> tuple[list[int], FinalEvent]:
-    tokens, final = await stream.final()
-    return [t.token_id for t in tokens], final
+    return drive_router(shard.socket, count_tokens, scenario, client=CountingClient, timeout=timeout)
 
 
 async def alone(router: Router, params: RequestParams) -> list[int]:

@@ -10,6 +10,7 @@ from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
 from tgi_vlm.testing.harness import Runner, make_batch, make_request
 
@@ -29,34 +30,7 @@ def engine(arch):
 
 def router_warmup(truncate: int = 40, max_total: int = 64, requests: int = 2) -> pb.WarmupRequest:
     """The shape TGI's v3 router sends: "_test " × truncate, a 20×20 PNG labelled jpeg after the first text."""
-    image = png_bytes(make_test_image(20, 20))
-    reqs = []
-    for i in range(requests):
-        chunks = [pb.InputChunk(text="_test " * truncate)]
-        if i == 0:
-            chunks.append(pb.InputChunk(image=pb.Image(data=image, mimetype="image/jpeg;base64")))
-        reqs.append(
-            pb.Request(
-                id=i,
-                inputs="_test " * truncate,
-                input_chunks=pb.Input(chunks=chunks),
-                truncate=truncate,
-                add_special_tokens=True,
-                parameters=pb.NextTokenChooserParameters(
-                    temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False, seed=0,
-                    repetition_penalty=1.2, frequency_penalty=0.1, watermark=True,
-                ),
-                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_total - truncate, ignore_eos_token=True),
-                prefill_logprobs=True,
-                top_n_tokens=20,
-            )
-        )
-    return pb.WarmupRequest(
-        batch=pb.Batch(id=0, requests=reqs, size=len(reqs), max_tokens=0),
-        max_input_tokens=truncate,
-        max_prefill_tokens=truncate * requests,
-        max_total_tokens=max_total,
-    )
+    return warmup_request(max_input_tokens=truncate, max_prefill_tokens=truncate * requests, max_total_tokens=max_total)
 
 
 def test_router_shaped_warmup_succeeds(engine):
