@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import load_engine
 from tests.models.reference import hf_greedy
 from tgi_vlm.models.types import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
@@ -28,24 +27,9 @@ def arch(request):
 
 
 @pytest.fixture(scope="module")
-def engine(arch):
-    return load_engine(arch)
-
-
-@pytest.fixture(scope="module")
 def hf(arch):
     path = tiny_model_path(arch)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture
-def runner(engine):
-    r = Runner(engine)
-    yield r
-    if r.batch is not None:
-        r.batch.release()
-    assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
-    engine.prefill_budget = 4096
 
 
 def generate(engine, *requests: pb.Request) -> Runner:

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import load_engine
 from tests.models.reference import assert_matches, hf_greedy
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_request
@@ -26,11 +25,6 @@ def arch(request):
 
 
 @pytest.fixture(scope="module")
-def engine(arch):
-    return load_engine(arch)
-
-
-@pytest.fixture(scope="module")
 def reference(arch):
     path = tiny_model_path(arch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -43,16 +37,6 @@ def reference(arch):
         return cache[(text, n)]
 
     return ref
-
-
-@pytest.fixture
-def runner(engine):
-    r = Runner(engine)
-    yield r
-    if r.batch is not None:
-        r.batch.release()
-    assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
-    engine.prefill_budget = 4096
 
 
 def test_one_request(runner, reference):

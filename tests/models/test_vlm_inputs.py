@@ -23,11 +23,6 @@ def arch(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def engine(arch):
-    return load_engine(arch)
-
-
 def router_warmup(truncate: int = 40, max_total: int = 64, requests: int = 2) -> pb.WarmupRequest:
     """The shape TGI's v3 router sends: "_test " × truncate, a 20×20 PNG labelled jpeg after the first text."""
     return warmup_request(max_input_tokens=truncate, max_prefill_tokens=truncate * requests, max_total_tokens=max_total)

@@ -9,11 +9,10 @@ import io
 import pytest
 from PIL import Image
 
-from tests.conftest import load_engine
 from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference, reference_model
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
-from tgi_vlm.testing.harness import Runner, make_request
+from tgi_vlm.testing.harness import make_request
 
 IMG_A = png_bytes(make_test_image(20, 20, seed=1))
 IMG_B = png_bytes(make_test_image(37, 53, seed=2))
@@ -29,22 +28,6 @@ TEXT_ONLY = ("just some text without any picture at all",)
 @pytest.fixture(scope="module", params=VLM_ARCHS)
 def arch(request):
     return request.param
-
-
-@pytest.fixture(scope="module")
-def engine(arch):
-    return load_engine(arch)
-
-
-@pytest.fixture
-def runner(engine):
-    r = Runner(engine)
-    yield r
-    if r.batch is not None:
-        r.batch.release()
-    engine.prefill_budget = 4096
-    assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
-    assert engine.encoder_cache.num_entries == 0, "encoder-cache entries leaked"
 
 
 def check(runner, arch, request_id, chunks, n):

@@ -1,0 +1,27 @@
+"""Fixtures shared by the parity modules: each module picks its architectures with an `arch`
+fixture; `engine` loads it once per module and `runner` checks, after every test, that every KV
+block and encoder-cache entry came back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import load_engine
+from tgi_vlm.testing.harness import Runner
+
+
+@pytest.fixture(scope="module")
+def engine(arch):
+    return load_engine(arch)
+
+
+@pytest.fixture
+def runner(engine):
+    r = Runner(engine)
+    yield r
+    if r.batch is not None:
+        r.batch.release()
+    engine.prefill_budget = 4096
+    assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
+    cache = getattr(engine, "encoder_cache", None)
+    assert cache is None or cache.num_entries == 0, "encoder-cache entries leaked"
