@@ -153,10 +153,6 @@ class FlashCausalLM(ShardModel):
     def find_language_model(self) -> torch.nn.Module:
         return self.model.get_decoder()
 
-    @property
-    def supports_images(self) -> bool:
-        return False
-
     # ----- KV cache -----
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # drop the old tensors before making new ones

@@ -77,10 +77,6 @@ class VlmCausalLM(FlashCausalLM):
     def find_language_model(self) -> torch.nn.Module:
         return self.adapter.language_model()
 
-    @property
-    def supports_images(self) -> bool:
-        return True
-
     # ----- requests -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> ImagePrompt:
         parts, images = self._decode_chunks(request)

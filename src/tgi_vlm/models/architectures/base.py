@@ -18,8 +18,6 @@ TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids
 
 class VlmAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
-    # Gemma3/PaliGemma: some tokens attend both ways; chunks must not split those blocks.
-    has_bidirectional_blocks: ClassVar[bool] = False
 
     def __init__(self, model: torch.nn.Module, processor, hf_config):
         self.model = model

@@ -12,7 +12,6 @@ from tgi_vlm.models.architectures.registry import register
 @register
 class Gemma3Adapter(VlmAdapter):
     model_types = ("gemma3",)
-    has_bidirectional_blocks = True
 
     def image_placeholder(self) -> str:
         return self.processor.boi_token  # the processor expands <start_of_image> into the full block

@@ -14,7 +14,6 @@ from tgi_vlm.models.architectures.registry import register
 @register
 class PaliGemmaAdapter(VlmAdapter):
     model_types = ("paligemma",)
-    has_bidirectional_blocks = True
     position_offset = 1
 
     def build_prompt(self, parts: list[str | None]) -> str:
