@@ -109,3 +109,14 @@ def test_placeholder_tokens_per_image_equal_the_processors(engine, arch):
     ids = adapter.process(text, images)["input_ids"][0].tolist()
     assert prompt.ids == ids
     assert sum(s.num_embed for s in prompt.images) == ids.count(adapter.image_token_id)
+
+
+def test_images_encoded_together_equal_images_encoded_alone(engine):
+    """Same-shaped images share one vision call; the split must give each image its own rows."""
+    prompt = engine.tokenize_request(make_request(0, "a ", IMG_A, " b ", IMG_B, " c ", IMG_C, IMG_A))
+    pixels = [s.pixel_inputs for s in prompt.images]
+    together = engine.adapter.encode(pixels)
+    alone = [engine.adapter.encode([p])[0] for p in pixels]
+    for span, t, a in zip(prompt.images, together, alone):
+        assert t.shape == a.shape == (span.num_embed, t.shape[-1])
+        assert (t - a).abs().max().item() < 1e-4

@@ -57,9 +57,29 @@ class VlmAdapter:
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
 
     # ----- vision tower -----
+    batch_images: ClassVar[bool] = True  # images with same-shaped pixel inputs share one vision call
+
     def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
         """Vision features `[num_embed_i, hidden]` for each image, in order."""
-        return [self._encode_one(p) for p in pixel_inputs]
+        if not self.batch_images:
+            return [self._encode_one(p) for p in pixel_inputs]
+        groups: dict[tuple, list[int]] = {}
+        for i, pixels in enumerate(pixel_inputs):
+            groups.setdefault(_shape_key(pixels), []).append(i)
+        features: list[torch.Tensor | None] = [None] * len(pixel_inputs)
+        for members in groups.values():
+            batch = {k: torch.cat([pixel_inputs[i][k] for i in members]) for k in pixel_inputs[members[0]]}
+            for i, f in zip(members, self._encode_batch(batch, len(members))):
+                features[i] = f
+        return features
+
+    def _encode_batch(self, pixels: dict, count: int) -> list[torch.Tensor]:
+        """One vision call for `count` images stacked on dim 0; per-image rows in order."""
+        device, dtype = self.vision_device_dtype()
+        kwargs = {k: _to(v, device, dtype) for k, v in pixels.items()}
+        out = self.model.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        per_image = list(out) if isinstance(out, (list, tuple)) and len(out) == count else torch.chunk(out, count)
+        return [flatten_features(f) for f in per_image]
 
     def _encode_one(self, pixels: dict) -> torch.Tensor:
         device, dtype = self.vision_device_dtype()
@@ -89,6 +109,13 @@ class VlmAdapter:
         return None
 
     position_offset: ClassVar[int] = 0  # PaliGemma counts positions from 1
+
+
+def _shape_key(pixels: dict) -> tuple:
+    """Images whose pixel inputs agree beyond dim 0 can be concatenated (and give equal row counts)."""
+    if not all(isinstance(v, torch.Tensor) for v in pixels.values()):
+        return (id(pixels),)  # something unusual: encode alone
+    return tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in pixels.items()))
 
 
 def flatten_features(features) -> torch.Tensor:

@@ -13,6 +13,7 @@ from tgi_vlm.models.architectures.registry import register
 @register
 class Llama4Adapter(VlmAdapter):
     model_types = ("llama4",)
+    batch_images = False  # its vision model flattens tiles across images; one call per image keeps rows apart
 
     def __init__(self, model, processor, hf_config):
         super().__init__(model, processor, hf_config)
