@@ -14,11 +14,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
-# The gRPC stubs are generated at install time and git-ignored: build them here when missing
-# (needs grpcio-tools), or carry src/tgi_vlm/pb from a machine where the package is installed.
-if [ ! -f src/tgi_vlm/pb/generate_pb2.py ]; then
+# The gRPC stubs are generated at install time and git-ignored: build them here when missing, or
+# when carried ones do not import (their gencode pins protobuf/grpcio minimum runtime versions); that
+# needs grpcio-tools. Otherwise carry src/tgi_vlm/pb from a machine with the same protobuf and grpcio.
+if [ ! -f src/tgi_vlm/pb/generate_pb2.py ] || ! "$PY" -c "import tgi_vlm.pb" 2>/dev/null; then
     "$PY" -c "import runpy; runpy.run_path('setup.py', run_name='stubs')['generate_stubs']()" \
-        || { echo "gRPC stubs missing and grpcio-tools unavailable: carry src/tgi_vlm/pb" >&2; exit 2; }
+        || { echo "gRPC stubs missing or unimportable, and grpcio-tools unavailable:" >&2;
+             "$PY" -c "import tgi_vlm.pb" >&2; exit 2; }
 fi
 
 "$PY" - <<'PY' 2>&1 | tee "$RESULTS/environment.txt"

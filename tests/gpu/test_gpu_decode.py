@@ -26,6 +26,16 @@ MAX_NEW = 8
 KV_BLOCKS = 1024
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """float32 must be float32 on the GPU too: cuDNN's default TF32 convolutions (the Qwen2-VL and SigLIP
+    patch embeddings) would make the vision features differ from transformers' CPU reference."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def _load(arch: str, *, size: str, attention: str, dtype: str):
     from tgi_vlm.models import get_model
 
@@ -102,9 +112,15 @@ def test_flashinfer_and_torch_logits_agree_in_bf16(arch):
     finally:
         register_attention("flashinfer")
     for rid in ref_tokens:
-        assert tokens[rid][:2] == ref_tokens[rid][:2], f"request {rid}: {tokens[rid]} vs torch {ref_tokens[rid]}"
         same = next((i for i, (a, b) in enumerate(zip(tokens[rid], ref_tokens[rid])) if a != b), len(tokens[rid]))
         for step in range(same + 1 if same < len(tokens[rid]) else same):
-            a, b = logits[rid][step], ref_logits[rid][step]
-            scale = b.abs().max().item()
-            assert (a - b).abs().max().item() <= 0.02 * scale + 0.05, f"request {rid} step {step}"
+            a, b = logits[rid][step].float(), ref_logits[rid][step].float()
+            tol = 0.02 * b.abs().max().item() + 0.05
+            assert (a - b).abs().max().item() <= tol, f"request {rid} step {step}"
+        if same < len(tokens[rid]):
+            # bf16 logits tie often (one ulp is 1/32 at magnitude 4-8): a different greedy token is fine only
+            # when torch's own logits rate it (near-)equal to torch's choice.
+            b = ref_logits[rid][same].float()
+            gap = (b.max() - b[tokens[rid][same]]).item()
+            assert gap <= 0.02 * b.abs().max().item() + 0.05, (
+                f"request {rid} step {same}: {tokens[rid]} vs torch {ref_tokens[rid]} (torch logit gap {gap:.3f})")

@@ -151,7 +151,13 @@ class FlashinferAttention:
             raise RuntimeError("flashinfer: CUDA graphs capture decode-only steps")
         wrapper = self._prefill_wrapper(meta, plan_key)
         mask = custom_mask(meta, layout, plan_key.window_left)
-        wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.last_page_len, *heads,
+        qo_indptr, kv_indptr, last_page_len = layout.qo_indptr, layout.kv_indptr, layout.last_page_len
+        if mask is not None:
+            # flashinfer <= 0.6.17 packs the mask with an indptr derived from qo_indptr's device, and its
+            # segment_packbits kernel requires that indptr on the mask's (CUDA) device.
+            device = mask.device
+            qo_indptr, kv_indptr, last_page_len = (t.to(device) for t in (qo_indptr, kv_indptr, last_page_len))
+        wrapper.plan(qo_indptr, kv_indptr, layout.kv_indices, last_page_len, *heads,
                      custom_mask=mask, causal=mask is None,
                      window_left=-1 if mask is not None else plan_key.window_left, **common)
         return wrapper
