@@ -4,6 +4,8 @@ attention (handled by the attention backend from `layer_types`)."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from tgi_vlm.models.architectures.base import VlmAdapter, _to, flatten_features
@@ -22,7 +24,11 @@ class Llama4Adapter(VlmAdapter):
     def _encode_one(self, pixels: dict) -> torch.Tensor:
         device, dtype = self.vision_device_dtype()
         model = self.model
-        out = model.get_image_features(pixel_values=_to(pixels["pixel_values"], device, dtype))
+        kwargs = {}
+        if "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters:
+            # transformers 5.17 requires it; 5.24 dropped the parameter.
+            kwargs["vision_feature_select_strategy"] = self.config.vision_config.vision_feature_select_strategy
+        out = model.get_image_features(pixel_values=_to(pixels["pixel_values"], device, dtype), **kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return flatten_features(model.multi_modal_projector(hidden))
