@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.models.reference import hf_greedy
+from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.models.types import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
@@ -274,3 +275,12 @@ def test_truncate_longer_than_the_input_changes_nothing(engine, hf):
     r = generate(engine, make_request(1, PROMPT, max_new_tokens=6, truncate=len(ids) + 50),
                  make_request(2, PROMPT, max_new_tokens=6))
     assert r.tokens[1] == r.tokens[2] == reference(hf, ids, 6)
+
+
+def test_cache_len_is_refused_while_prefix_caching_is_off(engine):
+    """Info reports use_prefix_caching=false; a cache_len would make us attend over stale KV slots."""
+    request = make_request(3, SHORT, max_new_tokens=2)
+    request.cache_len = 2
+    with pytest.raises(InvalidBatch, match="request 3: cache_len=2 but prefix caching is not enabled"):
+        engine.batch_from_pb(make_batch(1, [request]))
+    assert engine.kv_blocks_in_use == 0

@@ -42,7 +42,7 @@ def test_exception_in_forward_fails_only_that_call_and_frees_memory():
             engine.forward = lambda batch, step: (_ for _ in ()).throw(RuntimeError("CUDA out of memory (injected)"))
             err = await rpc_error(stub.Decode(generate_pb2.DecodeRequest(batches=[first.batch])))
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "1" in err.details()
+            assert "batch(es) [1]" in err.details() and "released" in err.details()
             engine.forward = lambda batch, step: (_ for _ in ()).throw(ValueError("injected bug"))
             err = await rpc_error(stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(2, [make_request(2, *PROMPT, max_new_tokens=5)]))))
             assert err.code() == grpc.StatusCode.INTERNAL

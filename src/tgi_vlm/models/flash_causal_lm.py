@@ -22,7 +22,7 @@ from tgi_vlm.generation import (
     TokenChooser,
     choose_tokens,
     prefill_logprobs,
-    token_text,
+    token_texts,
     top_n,
     validate_parameters,
 )
@@ -229,8 +229,10 @@ class FlashCausalLM(ShardModel):
         problems = validate_parameters(request.parameters, stopping, self.vocab_size)
         if problems:
             raise InvalidRequest(rid, "; ".join(problems))
-        if request.cache_len >= len(ids):
-            raise InvalidRequest(rid, f"cache_len {request.cache_len} must be below the prompt length {len(ids)}")
+        if request.cache_len:
+            # Info says use_prefix_caching=false, so nothing is cached to reuse: trusting cache_len would
+            # attend over stale slots (and skip its images' encoding).
+            raise InvalidRequest(rid, f"cache_len={request.cache_len} but prefix caching is not enabled on this shard")
         if self.max_total_tokens and len(ids) + stopping.max_new_tokens > self.max_total_tokens:
             raise InvalidRequest(
                 rid,
@@ -271,9 +273,8 @@ class FlashCausalLM(ShardModel):
             ),
             detokenizer=IncrementalDetokenizer(self.tokenizer, list(ids)),
             block_table=block_table,
-            slot_tensor=torch.tensor(slots[: max(needed_slots, 1)], dtype=torch.long, device=self.device),
+            slot_tensor=torch.tensor(slots[:needed_slots], dtype=torch.long, device=self.device),
             owns_blocks=owns,
-            num_computed=request.cache_len,
             first_chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
             prefill_logprobs=request.prefill_logprobs,
             top_n_tokens=request.top_n_tokens,
@@ -375,7 +376,7 @@ class FlashCausalLM(ShardModel):
         if seq.prefill_logprobs and not seq.prefill_reported:
             prompt = seq.all_ids[: seq.prompt_len]
             values = [math.nan] * (seq.prompt_len - len(seq.prefill_logprob_values)) + seq.prefill_logprob_values
-            prefill_tokens = self._tokens(prompt, values, [token_text(self.tokenizer, t) for t in prompt])
+            prefill_tokens = self._tokens(prompt, values, token_texts(self.tokenizer, prompt))
             seq.prefill_reported = True
         seq.all_ids.append(token_id)
         new_text = seq.detokenizer.step(seq.all_ids)
@@ -392,7 +393,7 @@ class FlashCausalLM(ShardModel):
         top_tokens = []
         if top is not None:
             ids, lps = top
-            top_tokens = [self._tokens(ids, lps, [token_text(self.tokenizer, t) for t in ids])]
+            top_tokens = [self._tokens(ids, lps, token_texts(self.tokenizer, ids))]
         return Generation(
             request_id=seq.request_id,
             prefill_tokens=prefill_tokens,

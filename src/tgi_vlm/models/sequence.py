@@ -29,7 +29,7 @@ class Sequence:
     # write (router-given `slots`, or derived from the server-allocated block table).
     slot_tensor: torch.Tensor
     owns_blocks: bool  # blocks came from the server's allocator and go back to it
-    num_computed: int = 0  # router's cache_len at start (prefix-cache hit)
+    num_computed: int = 0  # tokens whose K/V are in the cache
     first_chunk_len: int | None = None  # router's chunk_len for the first prefill
     started: bool = False  # a forward has run for this sequence (later chunks are sized by the server)
     prefill_logprobs: bool = False

@@ -79,9 +79,9 @@ class VlmCausalLM(FlashCausalLM):
 
     # ----- requests -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> ImagePrompt:
-        parts, images = self._decode_chunks(request)
+        parts, images, digests = self._decode_chunks(request)
         try:
-            return self._tokenize(request, parts, images, self._digests(request), warmup=warmup)
+            return self._tokenize(request, parts, images, digests, warmup=warmup)
         except _ImageCutInWarmup as cut:
             # The router sizes warmup from its own limits; an image its truncation cuts is left out.
             logger.warning("warmup request {}: {}; warming up without images", request.id, cut)
@@ -113,11 +113,12 @@ class VlmCausalLM(FlashCausalLM):
             bidirectional_groups=self.adapter.bidirectional_groups(processed, ids, spans),
         )
 
-    def _decode_chunks(self, request) -> tuple[list[str | None], list]:
+    def _decode_chunks(self, request) -> tuple[list[str | None], list, list[str]]:
+        """(text parts with None for images, decoded images, sha256 of each image's bytes)."""
         if not request.HasField("input_chunks") or not request.input_chunks.chunks:
-            return [request.inputs], []
+            return [request.inputs], [], []
         parts: list[str | None] = []
-        images = []
+        images, digests = [], []
         limits = self.config.limits
         for chunk in request.input_chunks.chunks:
             if chunk.WhichOneof("chunk") == "text":
@@ -129,18 +130,9 @@ class VlmCausalLM(FlashCausalLM):
                 images.append(decode_image(chunk.image.data, limits))
             except ImageError as exc:
                 raise InvalidRequest(request.id, f"image {len(images)}: {exc}") from None
+            digests.append(hashlib.sha256(chunk.image.data).hexdigest())
             parts.append(None)
-        return parts, images
-
-    @staticmethod
-    def _digests(request) -> list[str]:
-        if not request.HasField("input_chunks"):
-            return []
-        return [
-            hashlib.sha256(c.image.data).hexdigest()
-            for c in request.input_chunks.chunks
-            if c.WhichOneof("chunk") == "image"
-        ]
+        return parts, images, digests
 
     def _truncate_with_images(self, request, ids, processed, spans, *, warmup: bool = False):
         """Keep the last `truncate` tokens; images wholly cut off are dropped, one cut through is an error
@@ -197,8 +189,7 @@ class VlmCausalLM(FlashCausalLM):
                 is_embed = index >= 0
                 rows.append(w.row + (s - w.start) + torch.nonzero(is_embed)[:, 0])
                 features.append(self.encoder_cache.get(span.cache_key)[index[is_embed].to(self.device)])
-        if rows:
-            embeds = embeds.clone()
+        if rows:  # the embedding output is a fresh tensor: scatter in place
             embeds[torch.cat(rows).to(self.device)] = torch.cat(features).to(embeds.dtype)
         return embeds
 
