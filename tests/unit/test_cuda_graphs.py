@@ -43,7 +43,7 @@ def _decode_meta(kv_lens: list[int], cache: PagedKVCache | None = None) -> Atten
     group = DecodeGroup(rows=torch.arange(len(kv_lens)), slot_index=slot_index,
                         kv_lens=torch.tensor(kv_lens), rows_are_all=True)
     slots = torch.stack([r[-1] for r in rows])
-    return AttentionMetadata(kv_cache=cache or _cache(), slots=slots, num_tokens=len(kv_lens), decode=group, prefills=[])
+    return AttentionMetadata(kv_cache=cache or _cache(), slots=slots, decode=group, prefills=[])
 
 
 @pytest.mark.parametrize(("batch", "size"), [(1, 1), (2, 2), (3, 4), (8, 8), (9, 16), (17, 32), (32, 32), (33, None)])
@@ -73,7 +73,7 @@ def test_steps_with_a_prefill_span_get_no_plan():
 
 
 def test_prefill_only_step_gets_no_plan():
-    meta = AttentionMetadata(kv_cache=_cache(), slots=torch.arange(3), num_tokens=3, decode=None,
+    meta = AttentionMetadata(kv_cache=_cache(), slots=torch.arange(3), decode=None,
                              prefills=[PrefillSpan(q_start=0, q_end=3, kv_len=3, slot_index=torch.arange(3))])
     assert plan_replay(meta, SIZES, max_kv_len=64) is None
 

@@ -26,7 +26,7 @@ def _mixed(groups: torch.Tensor | None = None) -> AttentionMetadata:
     decode = DecodeGroup(rows=torch.tensor([0, 4]), slot_index=slot_index, kv_lens=torch.tensor([6, 1]),
                          rows_are_all=False)
     span = PrefillSpan(q_start=1, q_end=4, kv_len=3, slot_index=_slots([7], 3), bidirectional_groups=groups)
-    return AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(5, dtype=torch.long), num_tokens=5,
+    return AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(5, dtype=torch.long),
                              decode=decode, prefills=[span])
 
 
@@ -43,7 +43,7 @@ def test_mixed_step_is_one_ragged_prefill_in_row_order():
 def test_decode_only_step_plans_the_decode_wrapper_with_padding_rows_on_page_zero():
     slot_index = torch.stack([_slots([3, 5], 8), torch.zeros(8, dtype=torch.long)])
     decode = DecodeGroup(rows=torch.arange(2), slot_index=slot_index, kv_lens=torch.tensor([5, 1]), rows_are_all=True)
-    meta = AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(2, dtype=torch.long), num_tokens=2,
+    meta = AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(2, dtype=torch.long),
                              decode=decode, prefills=[])
     layout = build_layout(meta)
     assert layout.decode_only

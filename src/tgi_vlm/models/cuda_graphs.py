@@ -88,7 +88,7 @@ class StaticDecodeInputs:
         slot_index = torch.zeros((size, max_kv_len), **long)
         kv_lens = torch.ones(size, **long)
         decode = DecodeGroup(rows=torch.arange(size, **long), slot_index=slot_index, kv_lens=kv_lens, rows_are_all=True)
-        metadata = AttentionMetadata(kv_cache=kv_cache, slots=slots, num_tokens=size, decode=decode, prefills=[])
+        metadata = AttentionMetadata(kv_cache=kv_cache, slots=slots, decode=decode, prefills=[])
         embeds = torch.zeros((1, size, hidden), dtype=dtype, device=device)
         return cls(embeds, positions, slots, slot_index, kv_lens, metadata)
 

@@ -42,7 +42,6 @@ def schedule(seqs: list[Sequence], prefill_budget: int | None) -> list[int]:
 class SeqWindow:
     """Sequence `seq` runs positions [start, end) in rows [row, row + end - start) of the step."""
 
-    index: int  # position in the batch
     seq: Sequence
     start: int
     end: int
@@ -61,21 +60,17 @@ class StepInputs:
     positions: torch.Tensor  # [T] long, absolute positions (adapters may replace, e.g. mrope)
     metadata: AttentionMetadata
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
 
 def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, device: torch.device) -> StepInputs:
     windows: list[SeqWindow] = []
     ids: list[int] = []
     positions: list[int] = []
     row = 0
-    for index, (seq, n) in enumerate(zip(seqs, sizes)):
+    for seq, n in zip(seqs, sizes):
         if n == 0:
             continue
         start = seq.num_computed
-        windows.append(SeqWindow(index, seq, start, start + n, row))
+        windows.append(SeqWindow(seq, start, start + n, row))
         ids.extend(seq.all_ids[start : start + n])
         positions.extend(range(start, start + n))
         row += n
@@ -85,7 +80,6 @@ def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, d
     metadata = AttentionMetadata(
         kv_cache=kv_cache,
         slots=slots,
-        num_tokens=row,
         decode=_decode_group(windows, row, device),
         prefills=[_prefill_span(w) for w in windows if w.end - w.start > 1],
     )

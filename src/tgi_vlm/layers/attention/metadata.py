@@ -48,7 +48,6 @@ class DecodeGroup:
 class AttentionMetadata:
     kv_cache: PagedKVCache
     slots: torch.Tensor  # [T] long: where this step's keys/values are written
-    num_tokens: int
     decode: DecodeGroup | None
     prefills: list[PrefillSpan]
     _masks: dict = field(default_factory=dict, repr=False)
