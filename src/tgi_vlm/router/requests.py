@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tgi_vlm.models.types import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
-
-FINISH_REASONS = {0: "length", 1: "eos_token", 2: "stop_sequence"}
 
 
 @dataclass
@@ -94,7 +93,7 @@ class FinalEvent:
             time=time.perf_counter(),
             text=generated.text,
             generated_tokens=generated.generated_tokens,
-            finish_reason=FINISH_REASONS.get(generated.finish_reason, str(generated.finish_reason)),
+            finish_reason=FinishReason(generated.finish_reason).name.lower(),  # "length", "eos_token", ...
             seed=generated.seed if generated.HasField("seed") else None,
         )
 
