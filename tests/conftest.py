@@ -6,8 +6,15 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# CI must be reproducible: property tests draw the same examples on every run and keep no database.
+# HYPOTHESIS_PROFILE=explore draws fresh examples (and remembers failures) when hunting locally.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session", autouse=True)

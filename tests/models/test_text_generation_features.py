@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.models.reference import hf_greedy
 from tgi_vlm.errors import InvalidBatch
-from tgi_vlm.models.types import FinishReason
+from tgi_vlm.generation import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_batch, make_request

@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass, field
 
 from tgi_vlm.errors import InvalidBatch, InvalidRequest
-from tgi_vlm.models.types import FinishReason, GeneratedText, Generation, ShardModel, StepTimings, Tokens
+from tgi_vlm.generation import FinishReason
+from tgi_vlm.models.types import GeneratedText, Generation, ShardModel, StepTimings, Tokens
 from tgi_vlm.pb import generate_pb2
 
 

@@ -1,7 +1,7 @@
 """StoppingCriteria: EOS, stop sequences and length, checked in that order."""
 
 from tgi_vlm.generation.stopping import StoppingCriteria
-from tgi_vlm.models.types import FinishReason
+from tgi_vlm.generation import FinishReason
 from tgi_vlm.pb.generate_pb2 import StoppingCriteriaParameters
 
 EOS = 2
@@ -70,3 +70,13 @@ def test_from_params_reads_the_proto_fields() -> None:
         True,
         {2, 3},
     )
+
+
+def test_finish_reason_values_are_tgis_wire_values():
+    from tgi_vlm.pb import generate_pb2
+
+    assert [int(r) for r in FinishReason] == [
+        generate_pb2.FINISH_REASON_LENGTH,
+        generate_pb2.FINISH_REASON_EOS_TOKEN,
+        generate_pb2.FINISH_REASON_STOP_SEQUENCE,
+    ]

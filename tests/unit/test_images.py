@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from tgi_vlm.config import InputLimits
-from tgi_vlm.models.images import ImageError, decode_image
+from tgi_vlm.images import ImageError, decode_image
 
 LIMITS = InputLimits()
 

@@ -6,10 +6,11 @@ from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, t
 from tgi_vlm.generation.logits_process import LogitsPipeline, Watermark
 from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
 from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters
-from tgi_vlm.generation.stopping import StoppingCriteria
+from tgi_vlm.generation.stopping import FinishReason, StoppingCriteria
 
 __all__ = [
     "ChosenTokens",
+    "FinishReason",
     "IncrementalDetokenizer",
     "LogitsPipeline",
     "SamplingParameters",

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import IntEnum
 from typing import Any
 
-from tgi_vlm.models.types import FinishReason
+
+class FinishReason(IntEnum):
+    """Why a request stopped; the values are TGI's v3 `FinishReason` wire values."""
+
+    LENGTH = 0
+    EOS_TOKEN = 1
+    STOP_SEQUENCE = 2
 
 
 class StoppingCriteria:
     """Called once per generated token, in order; `current_tokens` counts the tokens seen.
 
-    Checks run in this order: EOS (unless `ignore_eos`), stop sequence, length. A stop sequence
+    Checks run in TGI's order: length, then EOS (unless `ignore_eos`), then stop sequence. A stop sequence
     matches anywhere in the text produced so far (TGI only checks the end of the text, which misses
     a stop string followed by more characters in the same token's text). Only a tail of
     (longest stop sequence - 1) characters is kept between calls: every longer window was already

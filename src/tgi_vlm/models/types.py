@@ -7,15 +7,9 @@ server edge so the engine never depends on gRPC.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from tgi_vlm.generation import FinishReason
 from tgi_vlm.pb import generate_pb2
-
-
-class FinishReason(IntEnum):
-    LENGTH = generate_pb2.FINISH_REASON_LENGTH
-    EOS_TOKEN = generate_pb2.FINISH_REASON_EOS_TOKEN
-    STOP_SEQUENCE = generate_pb2.FINISH_REASON_STOP_SEQUENCE
 
 
 @dataclass

@@ -14,7 +14,7 @@ DEMO_PROMPT = "Describe this image in one sentence."
 
 
 def demo_image() -> bytes:
-    from tgi_vlm.testing.images import make_test_image, png_bytes
+    from tgi_vlm.images import make_test_image, png_bytes
 
     return png_bytes(make_test_image(224, 160, seed=0))
 

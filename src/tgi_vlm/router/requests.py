@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tgi_vlm.models.types import FinishReason
+from tgi_vlm.generation import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from tgi_vlm.config import InputLimits
-from tgi_vlm.models.images import ImageError, decode_image
+from tgi_vlm.images import ImageError, decode_image
 from tgi_vlm.pb import generate_pb2 as pb
 
 

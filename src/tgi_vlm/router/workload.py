@@ -39,7 +39,7 @@ class WorkItem:
 
 def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
     """Deterministic for a seed: the same images, prompts and lengths every run."""
-    from tgi_vlm.testing.images import make_test_image, png_bytes
+    from tgi_vlm.images import make_test_image, png_bytes
 
     rng = random.Random(spec.seed)
     items, clock = [], 0.0

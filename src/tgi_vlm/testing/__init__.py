@@ -18,7 +18,7 @@ from tgi_vlm.testing.builder import (
     cache_dir,
     tiny_model_path,
 )
-from tgi_vlm.testing.images import jpeg_bytes, make_test_image, png_bytes
+from tgi_vlm.images import jpeg_bytes, make_test_image, png_bytes
 
 __all__ = [
     "ARCHS",

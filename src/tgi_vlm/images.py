@@ -1,4 +1,6 @@
-"""Decoding untrusted image bytes into RGB PIL images.
+"""Images: decoding untrusted bytes into RGB PIL images, and making deterministic ones.
+
+The engine, the router and the tests all sit above this module.
 
 The format is sniffed from the bytes (TGI's warmup sends a PNG labelled `image/jpeg`); the
 mimetype is ignored. Limits guard against oversized payloads and decompression bombs: the
@@ -10,6 +12,7 @@ from __future__ import annotations
 import io
 import warnings
 
+import numpy as np
 from PIL import Image, ImageSequence, UnidentifiedImageError
 
 from tgi_vlm.config import InputLimits
@@ -24,8 +27,8 @@ def decode_image(data: bytes, limits: InputLimits) -> Image.Image:
         raise ImageError("image is empty (0 bytes)")
     if len(data) > limits.max_image_bytes:
         raise ImageError(f"image is {len(data)} bytes, over the limit of {limits.max_image_bytes}")
-    # PIL's own bomb guard (an error at 2x MAX_IMAGE_PIXELS) follows our limit; ours is checked first.
-    Image.MAX_IMAGE_PIXELS = limits.max_image_pixels
+    # PIL's process-wide guard (Image.MAX_IMAGE_PIXELS) is left as the process set it: our limit is
+    # checked from the header first; PIL still refuses anything over twice its own limit.
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -63,3 +66,25 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background.paste(rgba, mask=rgba.getchannel("A"))
         return background
     return image.convert("RGB")
+
+
+# ----- deterministic images for workloads, demos and tests -----
+def make_test_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A `width`×`height` RGB image of uniform random noise; the same seed gives the same pixels."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)  # [H, W, 3] uint8 → RGB
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    """Lossless PNG encoding of `img`."""
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def jpeg_bytes(img: Image.Image, quality: int = 90) -> bytes:
+    """JPEG encoding of `img` (lossy: decoding gives close, not equal, pixels)."""
+    buffer = io.BytesIO()
+    img.convert("RGB").save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
