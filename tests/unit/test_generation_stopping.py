@@ -1,7 +1,7 @@
 """StoppingCriteria: EOS, stop sequences and length, checked in that order."""
 
-from tgi_vlm.generation.stopping import StoppingCriteria
 from tgi_vlm.generation import FinishReason
+from tgi_vlm.generation.stopping import StoppingCriteria
 from tgi_vlm.pb.generate_pb2 import StoppingCriteriaParameters
 
 EOS = 2

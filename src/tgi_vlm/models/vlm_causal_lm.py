@@ -17,11 +17,11 @@ from loguru import logger
 
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.errors import InvalidRequest
+from tgi_vlm.images import ImageError, decode_image
 from tgi_vlm.models.architectures import adapter_for
 from tgi_vlm.models.encoder_cache import EncoderCache
 from tgi_vlm.models.flash_causal_lm import FlashCausalLM, FlashCausalLMBatch, TokenizedPrompt
 from tgi_vlm.models.image_spans import ImageSpan, locate_spans, spans_overlapping
-from tgi_vlm.images import ImageError, decode_image
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.step import StepInputs
 from tgi_vlm.pb import generate_pb2

@@ -9,6 +9,7 @@ Used by the tests, `make run` and the benchmarks; nothing is downloaded.
     png_bytes(img) / jpeg_bytes(img)                      encoded image bytes
 """
 
+from tgi_vlm.images import jpeg_bytes, make_test_image, png_bytes
 from tgi_vlm.testing.builder import (
     ARCHS,
     BUILDER_VERSION,
@@ -18,7 +19,6 @@ from tgi_vlm.testing.builder import (
     cache_dir,
     tiny_model_path,
 )
-from tgi_vlm.images import jpeg_bytes, make_test_image, png_bytes
 
 __all__ = [
     "ARCHS",
