@@ -112,8 +112,8 @@ def test_add_special_tokens_false_is_passed_to_the_processor(engine, arch):
     from PIL import Image
 
     image = Image.open(io.BytesIO(IMG)).convert("RGB")
-    prompt = engine.adapter.build_prompt([chunks[0], None, chunks[2]])
-    expected = engine.adapter.process(prompt, [image], add_special_tokens=False)["input_ids"][0].tolist()
+    prompt = engine.adapter.prompt.build_prompt([chunks[0], None, chunks[2]])
+    expected = engine.adapter.prompt.process(prompt, [image], add_special_tokens=False)["input_ids"][0].tolist()
     assert ours == expected
     if arch != "paligemma" and engine.tokenizer.bos_token_id is not None:
         assert ours.count(engine.tokenizer.bos_token_id) <= 1  # no double <bos>

@@ -64,9 +64,9 @@ def test_chunk_boundary_exactly_at_span_edges(engine, runner, arch):
     engine.prefill_budget = span.length
     runner.prefill([make_request(0, *ONE_IMAGE, max_new_tokens=4, chunk_len=span.offset)])
     seq = runner.batch.seqs[0]
-    assert seq.num_computed == span.offset or seq.bidirectional_groups is not None
+    assert seq.num_computed == span.offset or seq.mm.bidirectional_groups is not None
     runner.step()
-    if seq.bidirectional_groups is None:
+    if seq.mm.bidirectional_groups is None:
         assert seq.num_computed == span.end
     runner.run()
     check(runner, arch, 0, ONE_IMAGE, 4)

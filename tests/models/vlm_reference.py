@@ -10,17 +10,18 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tests.models.reference import Reference, hf_greedy
-from tgi_vlm.models.architectures import adapter_for
+from tgi_vlm.models.architectures import prompt_for
+from tgi_vlm.models.architectures.llama4 import enable_transformers_generate
 from tgi_vlm.testing import tiny_model_path
 
 
 @lru_cache(maxsize=2)
 def reference_model(arch: str):
+    enable_transformers_generate()  # transformers' own Llama4 forward needs it (see llama4.py)
     path = tiny_model_path(arch)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(path)
-    adapter = adapter_for(model.config.model_type)(model, processor, model.config)  # also applies bug workarounds
-    return model, processor, adapter
+    return model, processor, prompt_for(model.config.model_type)(processor, model.config)
 
 
 def hf_reference(arch: str, chunks: tuple, max_new_tokens: int) -> Reference:

@@ -18,7 +18,6 @@ from tgi_vlm.models.cuda_graphs import (
     graph_max_kv_len,
     next_captured_size,
     plan_replay,
-    position_rows,
     setup_decode_graphs,
 )
 from tgi_vlm.testing import make_test_image, png_bytes
@@ -40,8 +39,7 @@ def _decode_meta(kv_lens: list[int], cache: PagedKVCache | None = None) -> Atten
         first = (1 + 4 * i) * BLOCK
         rows.append(torch.arange(first, first + n))
     slot_index = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    group = DecodeGroup(rows=torch.arange(len(kv_lens)), slot_index=slot_index,
-                        kv_lens=torch.tensor(kv_lens), rows_are_all=True)
+    group = DecodeGroup.build(list(range(len(kv_lens))), kv_lens, slot_index, num_tokens=len(kv_lens))
     slots = torch.stack([r[-1] for r in rows])
     return AttentionMetadata(kv_cache=cache or _cache(), slots=slots, decode=group, prefills=[])
 
@@ -142,24 +140,23 @@ def test_replay_slices_the_padded_output_back_to_the_batch_and_calls_the_backend
 
     class Backend:
         def prepare_for_replay(self, meta, size):
-            prepared.append((meta is static.metadata, size, meta.decode.kv_lens.tolist()))
+            prepared.append((meta is static.metadata, size, meta.decode.kv_lens.tolist(), meta.decode.kv_len_list))
 
     graphs = DecodeGraphs({4: CapturedDecode(static, lambda: torch.arange(8.0).reshape(4, 2))}, 16, Backend())
     meta = _decode_meta([2, 3, 4], cache)
     plan = graphs.plan(meta)
     out = graphs.replay(plan, torch.ones(3, 2), torch.zeros(1, 3, dtype=torch.long), meta)
     assert out.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
-    assert prepared == [(True, 4, [2, 3, 4, 1])]
+    # the host lengths (what planning reads, with no device read-back) match the device ones
+    assert prepared == [(True, 4, [2, 3, 4, 1], [2, 3, 4, 1])]
 
 
-def test_position_rows_is_three_only_for_mrope():
-    class Text:
-        rope_parameters = {"mrope_section": [2, 3, 3], "rope_type": "default"}
+def test_position_rows_are_three_only_for_the_mrope_adapters():
+    from tgi_vlm.models.architectures import adapter_for, supported_model_types
 
-    class Plain:
-        rope_parameters = {"rope_type": "default"}
-
-    assert (position_rows(Text()), position_rows(Plain())) == (3, 1)
+    rows = {t: adapter_for(t).position_rows for t in supported_model_types()}
+    assert {t for t, n in rows.items() if n == 3} == {"qwen2_vl", "qwen2_5_vl"}
+    assert {n for n in rows.values()} == {1, 3}
 
 
 def test_static_kv_width_is_max_total_tokens_in_whole_blocks_capped_by_the_cache():

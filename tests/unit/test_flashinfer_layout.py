@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tgi_vlm.layers.attention import AttentionMetadata, DecodeGroup, KVCacheSpec, PagedKVCache, PrefillSpan
-from tgi_vlm.layers.attention.flashinfer_backend import build_layout, custom_mask, flashinfer_backend
+from tgi_vlm.layers.attention.flashinfer_backend import build_layout, custom_mask, flashinfer_available
 
 BS = 4
 
@@ -23,8 +23,7 @@ def _mixed(groups: torch.Tensor | None = None) -> AttentionMetadata:
     """Rows: [decode seq A (kv 6, blocks 3,5)] [prefill B rows 1..3 (kv 3, block 7)] [decode C (kv 1, block 2)]."""
     a, c = _slots([3, 5], 6), _slots([2], 1)
     slot_index = torch.nn.utils.rnn.pad_sequence([a, c], batch_first=True)
-    decode = DecodeGroup(rows=torch.tensor([0, 4]), slot_index=slot_index, kv_lens=torch.tensor([6, 1]),
-                         rows_are_all=False)
+    decode = DecodeGroup.build([0, 4], [6, 1], slot_index, num_tokens=5)
     span = PrefillSpan(q_start=1, q_end=4, kv_len=3, slot_index=_slots([7], 3), bidirectional_groups=groups)
     return AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(5, dtype=torch.long),
                              decode=decode, prefills=[span])
@@ -42,7 +41,7 @@ def test_mixed_step_is_one_ragged_prefill_in_row_order():
 
 def test_decode_only_step_plans_the_decode_wrapper_with_padding_rows_on_page_zero():
     slot_index = torch.stack([_slots([3, 5], 8), torch.zeros(8, dtype=torch.long)])
-    decode = DecodeGroup(rows=torch.arange(2), slot_index=slot_index, kv_lens=torch.tensor([5, 1]), rows_are_all=True)
+    decode = DecodeGroup.build([0, 1], [5, 1], slot_index, num_tokens=2)
     meta = AttentionMetadata(kv_cache=_cache(), slots=torch.zeros(2, dtype=torch.long),
                              decode=decode, prefills=[])
     layout = build_layout(meta)
@@ -73,4 +72,4 @@ def test_custom_mask_applies_the_sliding_window_to_decode_rows():
 
 def test_backend_is_absent_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert flashinfer_backend() is None
+    assert flashinfer_available() is False

@@ -9,7 +9,7 @@ import torch
 from loguru import logger
 
 from tgi_vlm.config import EngineConfig
-from tgi_vlm.layers.attention import register_attention, resolve_backend
+from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -18,8 +18,9 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     from transformers import AutoConfig
 
     backend = resolve_backend(config.attention, config.device)
-    attn_name = register_attention(backend)
+    attn_name = register_paged_attention()  # one dispatcher; the backend object belongs to the model
     config = dataclasses.replace(config, attention=backend)  # what actually runs (Info reports it)
+    _log_inert_switches(config)
     hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     dtype = DTYPES[config.torch_dtype_name]
     if _is_vision_language(hf_config):
@@ -28,6 +29,16 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
         return load_vlm(model_id, hf_config, config, attn_name, dtype, revision=revision,
                         trust_remote_code=trust_remote_code)
     return _load_text_model(model_id, config, attn_name, dtype, revision, trust_remote_code)
+
+
+def _log_inert_switches(config: EngineConfig) -> None:
+    """TGI's launcher sets these for every shard; say plainly what they do here."""
+    if config.prefix_caching:
+        logger.warning("PREFIX_CACHING is set but this shard has no prefix cache yet: Info answers "
+                       "use_prefix_caching=false, so the router sends no cached prefixes (cache_len > 0 is refused)")
+    if config.request_logprobs:
+        logger.info("REQUEST_LOGPROBS is set: nothing to switch on, prefill logprobs are always served "
+                    "to requests that ask for them")
 
 
 def _is_vision_language(hf_config) -> bool:

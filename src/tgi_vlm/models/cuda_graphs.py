@@ -11,11 +11,10 @@ Padding rows (B..S-1) are inert: inputs_embeds 0, positions 0, slot 0 (reserved 
 kv_cache.py), slot_index all 0 and kv length 1, so each padding row attends only to slot 0,
 which it has just written itself. Their outputs are sliced off.
 
-Attention backends that keep state outside the metadata tensors (flashinfer's planned wrappers)
-expose `prepare_for_capture(meta, size)` and `prepare_for_replay(meta, size)` on the registered
-attention callable; both run on the host, outside the graph, before capture and before every
-replay. The torch backend needs neither: its masks are computed from the static tensors inside
-the graph.
+The model's attention backend (layers/attention/backend.py) gets `prepare_for_capture(meta, size)`
+and `prepare_for_replay(meta, size)` on the host, outside the graph, before capture and before
+every replay (flashinfer re-plans its fixed-buffer wrappers there). The torch backend needs
+neither: its masks are computed from the static tensors inside the graph.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from loguru import logger
 
-from tgi_vlm.layers.attention import ATTENTION_NAME, AttentionMetadata, DecodeGroup, PagedKVCache
+from tgi_vlm.layers.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class StaticDecodeInputs:
 
     @classmethod
     def allocate(cls, size: int, hidden: int, position_rows: int, max_kv_len: int, kv_cache: PagedKVCache,
-                 dtype: torch.dtype, device: torch.device) -> StaticDecodeInputs:
+                 dtype: torch.dtype, device: torch.device, backend: AttentionBackend | None = None) -> StaticDecodeInputs:
         long = dict(dtype=torch.long, device=device)
         positions = torch.zeros((1, size), **long)
         if position_rows > 1:
@@ -87,8 +86,9 @@ class StaticDecodeInputs:
         slots = torch.zeros(size, **long)
         slot_index = torch.zeros((size, max_kv_len), **long)
         kv_lens = torch.ones(size, **long)
-        decode = DecodeGroup(rows=torch.arange(size, **long), slot_index=slot_index, kv_lens=kv_lens, rows_are_all=True)
-        metadata = AttentionMetadata(kv_cache=kv_cache, slots=slots, decode=decode, prefills=[])
+        decode = DecodeGroup(rows=torch.arange(size, **long), slot_index=slot_index, kv_lens=kv_lens, rows_are_all=True,
+                             row_list=list(range(size)), kv_len_list=[1] * size)
+        metadata = AttentionMetadata(kv_cache=kv_cache, slots=slots, decode=decode, prefills=[], backend=backend)
         embeds = torch.zeros((1, size, hidden), dtype=dtype, device=device)
         return cls(embeds, positions, slots, slot_index, kv_lens, metadata)
 
@@ -115,7 +115,9 @@ class StaticDecodeInputs:
         self.slot_index[b:].zero_()
         self.kv_lens[:b].copy_(meta.decode.kv_lens)
         self.kv_lens[b:].fill_(1)
-        self.metadata._masks.clear()  # eager stand-in only; a real graph recomputes masks on replay
+        # The host copy of the lengths, for backend planning without a device read-back.
+        self.metadata.decode.kv_len_list = meta.decode.kv_len_list + [1] * plan.pad
+        self.metadata.clear_masks()  # eager stand-in only; a real graph recomputes masks on replay
 
 
 @dataclass
@@ -133,11 +135,11 @@ Forward = Callable[[StaticDecodeInputs], torch.Tensor]
 class DecodeGraphs:
     """Captured decode forwards by batch size, and the replay path `FlashCausalLM.forward` uses."""
 
-    def __init__(self, entries: dict[int, CapturedDecode], max_kv_len: int, backend=None):
+    def __init__(self, entries: dict[int, CapturedDecode], max_kv_len: int, backend: AttentionBackend):
         self.entries = entries
         self.sizes = tuple(sorted(entries, reverse=True))
         self.max_kv_len = max_kv_len
-        self.backend = backend  # the registered attention callable, for its prepare_* hooks
+        self.backend = backend  # the model's attention backend, for its prepare_* hooks
 
     def plan(self, meta: AttentionMetadata) -> GraphPlan | None:
         return plan_replay(meta, self.sizes, self.max_kv_len)
@@ -147,9 +149,7 @@ class DecodeGraphs:
         """Hidden states `[B, H]` of the step: fill, prepare the backend, run, slice the padding off."""
         entry = self.entries[plan.size]
         entry.inputs.fill(plan, embeds, position_ids, meta)
-        prepare = getattr(self.backend, "prepare_for_replay", None)
-        if prepare is not None:
-            prepare(entry.inputs.metadata, plan.size)
+        self.backend.prepare_for_replay(entry.inputs.metadata, plan.size)
         return entry.run()[: plan.batch]
 
     # ----- construction -----
@@ -157,7 +157,7 @@ class DecodeGraphs:
     def eager(cls, model, sizes: tuple[int, ...], max_kv_len: int) -> DecodeGraphs:
         """The stand-in: same buffers and bookkeeping, the forward run eagerly at every replay."""
         forward = _language_forward(model)
-        backend = _registered_backend()
+        backend = model.attention
         entries = {}
         for size in sorted(sizes, reverse=True):
             inputs = _allocate(model, size, max_kv_len)
@@ -168,7 +168,7 @@ class DecodeGraphs:
     def capture(cls, model, sizes: tuple[int, ...], max_kv_len: int) -> DecodeGraphs:
         """Capture one CUDA graph per size, largest first, all in one memory pool."""
         forward = _language_forward(model)
-        backend = _registered_backend()
+        backend = model.attention
         pool = torch.cuda.graph_pool_handle()
         entries = {}
         with torch.inference_mode():
@@ -180,18 +180,16 @@ class DecodeGraphs:
         return cls(entries, max_kv_len, backend)
 
 
-def _capture_one(forward: Forward, inputs: StaticDecodeInputs, backend, pool) -> CapturedDecode:
-    prepare = getattr(backend, "prepare_for_capture", None)
-    if prepare is not None:
-        prepare(inputs.metadata, inputs.size)
+def _capture_one(forward: Forward, inputs: StaticDecodeInputs, backend: AttentionBackend, pool) -> CapturedDecode:
+    backend.prepare_for_capture(inputs.metadata, inputs.size)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up runs: lazy initialisation must not happen inside capture
         for _ in range(2):
-            inputs.metadata._masks.clear()
+            inputs.metadata.clear_masks()
             forward(inputs)
     torch.cuda.current_stream().wait_stream(stream)
-    inputs.metadata._masks.clear()
+    inputs.metadata.clear_masks()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = forward(inputs)
@@ -220,27 +218,13 @@ def _allocate(model, size: int, max_kv_len: int) -> StaticDecodeInputs:
     return StaticDecodeInputs.allocate(
         size,
         hidden=int(model.text_config.hidden_size),
-        position_rows=position_rows(model.text_config),
+        position_rows=model.position_rows,
         max_kv_len=max_kv_len,
         kv_cache=model.kv_cache,
         dtype=model.dtype,
         device=model.device,
+        backend=model.attention,
     )
-
-
-def position_rows(text_config) -> int:
-    """3 for multimodal rotary (Qwen2-VL's mrope: temporal, height, width), else 1."""
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(text_config, name, None)
-        if isinstance(params, dict) and params.get("mrope_section"):
-            return 3
-    return 1
-
-
-def _registered_backend():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS.get(ATTENTION_NAME)
 
 
 def graph_max_kv_len(max_total_tokens: int, kv_cache: PagedKVCache) -> int:

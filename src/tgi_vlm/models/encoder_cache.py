@@ -60,10 +60,10 @@ class EncoderCache:
 
     def remember(self, content_hash: str, features: torch.Tensor) -> None:
         size = features.numel() * features.element_size()
+        if size > self.shared_capacity or content_hash in self._shared:
+            return  # disabled (capacity 0), too large, or already kept: no copy made
         if features.untyped_storage().nbytes() > size:
             features = features.clone()  # a view (e.g. one image of a batched vision call) would pin the whole batch
-        if size > self.shared_capacity or content_hash in self._shared:
-            return
         self._shared[content_hash] = features
         self._shared_bytes += size
         while self._shared_bytes > self.shared_capacity:

@@ -1,44 +1,34 @@
 """FlashCausalLMBatch and FlashCausalLM: the paged, continuously-batched engine every model shares.
 
-This file is model-agnostic: it never reads `model_type`. Rarer features live in helpers or in
-subclasses (`vlm_causal_lm.py`) through the hooks `tokenize_request`, `make_sequence`,
-`embed_step`, `position_ids` and `after_step`.
+This file is shared by every model and never reads `model_type`; add lines reluctantly. Request
+intake lives in `intake.py`, output building in `outputs.py`, step planning in `step.py`, the
+Warmup RPC in `warmup.py`. Subclasses (`vlm_causal_lm.py`) extend it through the hooks
+`tokenize_request`, `make_sequence`, `embed_step`, `position_ids`, `after_step` and
+`release_sequences`.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 from loguru import logger
 
+from tgi_vlm.blocks import BlockPool
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.errors import InvalidArgument, InvalidBatch, InvalidRequest
-from tgi_vlm.generation import (
-    IncrementalDetokenizer,
-    StoppingCriteria,
-    TokenChooser,
-    choose_tokens,
-    prefill_logprobs,
-    token_texts,
-    top_n,
-    validate_parameters,
-)
-from tgi_vlm.layers.attention import BlockAllocator, KVCacheSpec, PagedKVCache, blocks_needed
-from tgi_vlm.models.sequence import Sequence, slots_from_blocks
-from tgi_vlm.models.step import StepInputs, build_step, schedule
-from tgi_vlm.models.types import GeneratedText, Generation, ShardModel, StepTimings, Tokens
+from tgi_vlm.generation import choose_tokens, prefill_logprobs, top_n
+from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache, make_backend
+from tgi_vlm.models import intake
+from tgi_vlm.models.intake import TokenizedPrompt
+from tgi_vlm.models.outputs import OutputBuilder
+from tgi_vlm.models.sequence import Sequence
+from tgi_vlm.models.step import SeqWindow, StepInputs, build_step, schedule
+from tgi_vlm.models.types import Generation, ShardModel, StepTimings
 from tgi_vlm.pb import generate_pb2
 
 DEFAULT_PREFILL_BUDGET = 4096  # until Warmup tells us the router's max_prefill_tokens
 LIVENESS_BATCH_ID = 2**64 - 1  # TGI's health-check prefill writes to block 0
-
-
-@dataclass
-class TokenizedPrompt:
-    ids: list[int]
 
 
 class FlashCausalLMBatch:
@@ -120,7 +110,11 @@ class FlashCausalLMBatch:
 
 
 class FlashCausalLM(ShardModel):
-    """A transformers causal LM run on our paged KV cache with packed ragged batches."""
+    """A transformers causal LM run on our paged KV cache with packed ragged batches.
+
+    Owns: the KV cache and its block pool (server-allocated blocks), the attention backend, the
+    limits Warmup sets (`max_total_tokens`, `prefill_budget`) and the captured decode graphs.
+    """
 
     batch_type = FlashCausalLMBatch
 
@@ -137,11 +131,12 @@ class FlashCausalLM(ShardModel):
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = int(self.text_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.special_ids = set(tokenizer.all_special_ids)
+        self.outputs = OutputBuilder(tokenizer, set(tokenizer.all_special_ids))
         self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype)
+        self.attention = make_backend(config.attention, self.attention_pattern())
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
-        self.allocator: BlockAllocator | None = None
+        self.pool: BlockPool | None = None
         # TGI's vocabulary: our torch backend is paged attention ("paged"); flashinfer is itself.
         self.attention_impl = "flashinfer" if config.attention == "flashinfer" else "paged"
         self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
@@ -149,16 +144,27 @@ class FlashCausalLM(ShardModel):
         self.logits_observer = None
         self.graphs = None  # DecodeGraphs (models/cuda_graphs.py) once warmup captured them; tied to kv_cache
 
-    # ----- loading-dependent accessors (overridden by VlmCausalLM) -----
+    # ----- what the model is (subclasses answer through their adapter) -----
     def find_language_model(self) -> torch.nn.Module:
         return self.model.get_decoder()
+
+    def attention_pattern(self) -> AttentionPattern:
+        """Chunked-attention layers as transformers declares them (`layer_types`, e.g. Llama4 text)."""
+        layer_types = getattr(self.text_config, "layer_types", None) or []
+        size = getattr(self.text_config, "attention_chunk_size", None)
+        return AttentionPattern({i: size for i, t in enumerate(layer_types) if t == "chunked_attention" and size})
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of position ids per token (3 for multimodal rotary)."""
+        return 1
 
     # ----- KV cache -----
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # drop the old tensors before making new ones
         self.graphs = None  # captured graphs point at the old cache tensors
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks)
 
     def ensure_kv_cache(self) -> None:
         if self.kv_cache is None:
@@ -177,16 +183,29 @@ class FlashCausalLM(ShardModel):
     @property
     def kv_blocks_in_use(self) -> int:
         """Server-allocated blocks currently held (tests assert it returns to zero)."""
-        return 0 if self.allocator is None else self.allocator.num_allocated
+        return 0 if self.pool is None else self.pool.num_allocated
 
     def release_sequences(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.owns_blocks and seq.block_table:
-                self.allocator.free(seq.block_table)
+                self.pool.free(seq.block_table)
                 seq.block_table = []
                 seq.owns_blocks = False
 
-    # ----- building requests -----
+    # ----- limits (set by warmup.py) -----
+    def reset_limits(self) -> None:
+        """Before a warmup batch: it is checked against the new limits, not old ones."""
+        self.max_total_tokens = None
+
+    def set_prefill_budget(self, max_prefill_tokens: int | None) -> None:
+        """The router's max_batch_prefill_tokens sizes later chunks (when chunking is on)."""
+        if self.config.prefill_chunking and max_prefill_tokens:
+            self.prefill_budget = max_prefill_tokens
+
+    def set_max_total_tokens(self, max_total_tokens: int) -> None:
+        self.max_total_tokens = max_total_tokens
+
+    # ----- building requests (intake.py) -----
     def batch_from_pb(self, pb: generate_pb2.Batch, *, warmup: bool = False) -> FlashCausalLMBatch:
         self.ensure_kv_cache()
         return self.batch_type.from_pb(pb, self, warmup=warmup)
@@ -195,111 +214,31 @@ class FlashCausalLM(ShardModel):
         return self.batch_type.concatenate(batches)
 
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
-        text = self.request_text(request, warmup=warmup)
-        ids = self.tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
-        return TokenizedPrompt(ids=self.truncate(request, ids))
-
-    def request_text(self, request: generate_pb2.Request, *, warmup: bool) -> str:
-        if not request.HasField("input_chunks") or not request.input_chunks.chunks:
-            return request.inputs
         parts = []
-        for chunk in request.input_chunks.chunks:
-            kind = chunk.WhichOneof("chunk")
-            if kind == "text":
-                parts.append(chunk.text)
-            elif kind == "image" and not warmup:
+        for chunk in intake.request_chunks(request):
+            if isinstance(chunk, str):
+                parts.append(chunk)
+            elif not warmup:
                 # TGI's router adds an image to every warmup, even for text-only models; elsewhere it is an error.
                 raise InvalidRequest(request.id, f"model {self.model_id or 'loaded'} is text-only and cannot take image inputs")
-        return "".join(parts)
+        ids = self.tokenizer("".join(parts), add_special_tokens=request.add_special_tokens)["input_ids"]
+        return TokenizedPrompt(ids=intake.truncate_ids(ids, request.truncate))
 
-    def truncate(self, request: generate_pb2.Request, ids: list[int]) -> list[int]:
-        """Keep the last `truncate` tokens, as TGI does (truncation_side="left")."""
-        if request.truncate and len(ids) > request.truncate:
-            return ids[-request.truncate :]
-        return ids
-
-    def make_sequence(
-        self, request: generate_pb2.Request, prompt: TokenizedPrompt, *, liveness: bool = False, warmup: bool = False
-    ) -> Sequence:
-        ids = prompt.ids
-        rid = request.id
-        if not ids:
-            raise InvalidRequest(rid, "empty input: the prompt has no tokens")
-        stopping = request.stopping_parameters
-        problems = validate_parameters(request.parameters, stopping, self.vocab_size)
-        if problems:
-            raise InvalidRequest(rid, "; ".join(problems))
-        if request.cache_len:
-            # Info says use_prefix_caching=false, so nothing is cached to reuse: trusting cache_len would
-            # attend over stale slots (and skip its images' encoding).
-            raise InvalidRequest(rid, f"cache_len={request.cache_len} but prefix caching is not enabled on this shard")
-        if self.max_total_tokens and len(ids) + stopping.max_new_tokens > self.max_total_tokens:
-            raise InvalidRequest(
-                rid,
-                f"{len(ids)} prompt tokens + max_new_tokens {stopping.max_new_tokens} exceed "
-                f"max_total_tokens {self.max_total_tokens}",
-            )
-        # Warmup runs a single forward, so it reserves the prompt plus one token, not max_new_tokens.
-        total = len(ids) + (1 if warmup else stopping.max_new_tokens)
-        needed_slots = total - 1  # the last generated token is never fed back
-        block_table, owns, slots = self._slots_for(request, total)
-        if liveness and slots and max(slots) < self.config.block_size:
-            # TGI's health check writes only into reserved block 0 (blocks=[0]); its output is discarded.
-            slots = [slots[i % len(slots)] for i in range(needed_slots)]
-        if len(slots) < needed_slots:
-            raise InvalidRequest(
-                rid,
-                f"needs {needed_slots} KV slots ({len(ids)} prompt tokens + max_new_tokens {stopping.max_new_tokens} - 1) "
-                f"but the router gave {len(slots)}",
-            )
-        if max(slots[:needed_slots]) >= self.kv_cache.num_slots:
-            raise InvalidRequest(rid, f"slot {max(slots)} is outside the KV cache ({self.kv_cache.num_slots} slots)")
-        return Sequence(
-            request_id=rid,
-            all_ids=list(ids),
-            prompt_len=len(ids),
-            max_new_tokens=stopping.max_new_tokens,
-            chooser=TokenChooser.from_params(
-                request.parameters,
-                device=self.device,
-                watermark_gamma=self.config.watermark_gamma,
-                watermark_delta=self.config.watermark_delta,
-            ),
-            stopping=StoppingCriteria(
-                eos_token_ids=self.eos_token_ids,
-                max_new_tokens=stopping.max_new_tokens,
-                stop_sequences=list(stopping.stop_sequences),
-                ignore_eos=stopping.ignore_eos_token,
-            ),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, list(ids)),
-            block_table=block_table,
-            slot_tensor=torch.tensor(slots[:needed_slots], dtype=torch.long, device=self.device),
-            owns_blocks=owns,
-            first_chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
-            prefill_logprobs=request.prefill_logprobs,
-            top_n_tokens=request.top_n_tokens,
-        )
-
-    def _slots_for(self, request, total: int) -> tuple[list[int], bool, list[int]]:
-        bs = self.config.block_size
-        if request.slots:
-            return list(request.blocks), False, list(request.slots)
-        if request.blocks:
-            return list(request.blocks), False, slots_from_blocks(list(request.blocks), bs)
-        n = blocks_needed(total, bs)
-        if not self.allocator.can_allocate(n):
-            raise InvalidRequest(request.id, f"KV cache full: needs {n} blocks, {self.allocator.num_free} free")
-        blocks = self.allocator.allocate(n)
-        return blocks, True, slots_from_blocks(blocks, bs)
+    def make_sequence(self, request: generate_pb2.Request, prompt: TokenizedPrompt, *, liveness: bool = False,
+                      warmup: bool = False) -> Sequence:
+        return intake.make_sequence(self, request, prompt, liveness=liveness, warmup=warmup)
 
     # ----- the step -----
     def generate_token(self, batch: FlashCausalLMBatch) -> tuple[list[Generation], FlashCausalLMBatch | None, StepTimings]:
         start = time.perf_counter_ns()
         sizes = schedule(batch.seqs, self.prefill_budget)
-        step = build_step(batch.seqs, sizes, self.kv_cache, self.device)
+        step = build_step(batch.seqs, sizes, self.kv_cache, self.attention, self.device)
         with torch.inference_mode():
             hidden = self.forward(batch, step)  # [T, H]
             forward_done = time.perf_counter_ns()
+            self.record_prefill_logprobs(step, hidden)
+            for w in step.windows:
+                w.seq.advance(w.num_tokens)
             generations = self.sample(step, hidden)
         self.after_step(batch, step)
         end = time.perf_counter_ns()
@@ -315,6 +254,7 @@ class FlashCausalLM(ShardModel):
         plan = None if self.graphs is None else self.graphs.plan(step.metadata)
         if plan is not None:  # decode-only step that fits a captured batch size
             return self.graphs.replay(plan, embeds, positions, step.metadata)
+        self.attention.plan(step.metadata)
         out = self.language_model(
             inputs_embeds=embeds[None],
             position_ids=positions,
@@ -339,71 +279,40 @@ class FlashCausalLM(ShardModel):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def sample(self, step: StepInputs, hidden: torch.Tensor) -> list[Generation]:
-        samplers = [w for w in step.windows if w.samples]
-        with_prefill_lp = [w for w in step.windows if w.seq.prefill_logprobs and w.start < w.seq.prompt_len]
-        for w in with_prefill_lp:
-            self._accumulate_prefill_logprobs(w, hidden)
+    def record_prefill_logprobs(self, step: StepInputs, hidden: torch.Tensor, rows_per_chunk: int = 256) -> None:
+        """Accumulate the logprobs of the prompt tokens this step's windows predict (before `advance`)."""
         for w in step.windows:
-            w.seq.num_computed = w.end
-            w.seq.started = True  # the router's chunk_len applies to the first prefill only
+            seq = w.seq
+            if not seq.prefill_logprobs or w.start >= seq.prompt_len:
+                continue
+            last = min(w.end, seq.prompt_len - 1)  # rows predicting prompt tokens start+1 .. last
+            # Row chunks keep the float32 [rows, vocab] logits small (262k-token vocabularies exist).
+            for start in range(w.start, last, rows_per_chunk):
+                end = min(start + rows_per_chunk, last)
+                logits = self.compute_logits(hidden[w.row + start - w.start : w.row + end - w.start])
+                seq.prefill_logprob_values.extend(prefill_logprobs(logits, seq.all_ids[start + 1 : end + 1]))
+
+    def sample(self, step: StepInputs, hidden: torch.Tensor) -> list[Generation]:
+        """Choose the next token of every window that reached the end of its sequence."""
+        samplers: list[SeqWindow] = [w for w in step.windows if w.samples]
         if not samplers:
             return []
-        last_rows = torch.tensor([w.row + w.end - w.start - 1 for w in samplers], device=hidden.device)
+        last_rows = torch.tensor([w.row + w.num_tokens - 1 for w in samplers], device=hidden.device)
         logits = self.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
         if self.logits_observer is not None:
             self.logits_observer([w.seq.request_id for w in samplers], logits)
         chosen = choose_tokens(logits, [w.seq.chooser for w in samplers], [w.seq.all_ids for w in samplers])
         generations = []
         for i, w in enumerate(samplers):
+            seq = w.seq
             top = None
-            if w.seq.top_n_tokens and chosen.logprob_rows is not None:
-                top = top_n(chosen.logprob_rows[i], w.seq.top_n_tokens)
-            generations.append(self._emit(w.seq, chosen.ids[i], chosen.logprobs[i], top))
+            if seq.top_n_tokens and chosen.logprob_rows is not None:
+                top = top_n(chosen.logprob_rows[i], seq.top_n_tokens)
+            prefill_values = seq.take_prefill_logprobs()
+            new_text, reason = seq.append_token(chosen.ids[i])
+            generations.append(self.outputs.generation(seq, chosen.ids[i], chosen.logprobs[i], new_text, reason,
+                                                       top, prefill_values))
         return generations
-
-    def _accumulate_prefill_logprobs(self, w, hidden: torch.Tensor, rows_per_chunk: int = 256) -> None:
-        seq = w.seq
-        last = min(w.end, seq.prompt_len - 1)  # rows predicting prompt tokens start+1 .. last
-        # Row chunks keep the float32 [rows, vocab] logits small (262k-token vocabularies exist).
-        for start in range(w.start, last, rows_per_chunk):
-            end = min(start + rows_per_chunk, last)
-            logits = self.compute_logits(hidden[w.row + start - w.start : w.row + end - w.start])
-            seq.prefill_logprob_values.extend(prefill_logprobs(logits, seq.all_ids[start + 1 : end + 1]))
-
-    def _emit(self, seq: Sequence, token_id: int, logprob: float, top) -> Generation:
-        prefill_tokens = None
-        if seq.prefill_logprobs and not seq.prefill_reported:
-            prompt = seq.all_ids[: seq.prompt_len]
-            values = [math.nan] * (seq.prompt_len - len(seq.prefill_logprob_values)) + seq.prefill_logprob_values
-            prefill_tokens = self._tokens(prompt, values, token_texts(self.tokenizer, prompt))
-            seq.prefill_reported = True
-        seq.all_ids.append(token_id)
-        new_text = seq.detokenizer.step(seq.all_ids)
-        reason = seq.stopping(token_id, new_text)
-        generated = None
-        if reason is not None:
-            seq.finished = True
-            generated = GeneratedText(
-                text=seq.detokenizer.full_text(seq.generated_ids),
-                generated_tokens=len(seq.generated_ids),
-                finish_reason=reason,
-                seed=seq.chooser.seed if seq.chooser.do_sample else None,
-            )
-        top_tokens = []
-        if top is not None:
-            ids, lps = top
-            top_tokens = [self._tokens(ids, lps, token_texts(self.tokenizer, ids))]
-        return Generation(
-            request_id=seq.request_id,
-            prefill_tokens=prefill_tokens,
-            tokens=self._tokens([token_id], [logprob], [new_text]),
-            generated_text=generated,
-            top_tokens=top_tokens,
-        )
-
-    def _tokens(self, ids: list[int], logprobs: list[float], texts: list[str]) -> Tokens:
-        return Tokens(ids=list(ids), logprobs=list(logprobs), texts=texts, is_special=[i in self.special_ids for i in ids])
 
     # ----- warmup and info -----
     def warmup(self, request: generate_pb2.WarmupRequest) -> tuple[int | None, int, int]:

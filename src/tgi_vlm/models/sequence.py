@@ -4,15 +4,57 @@ There is no prefill/decode phase: a sequence brings `num_computed` (tokens whose
 cache) up to `len(all_ids)`. While `num_computed < prompt_len` it is prefilling (possibly in
 chunks); afterwards each step feeds the last generated token. A step samples a token only when
 the step's window reaches the end of `all_ids`.
+
+State moves only through the named transitions: `advance(n)` after a forward computed n more
+tokens, `append_token(id)` when a token is sampled (detokenize, check stopping, maybe finish),
+`take_prefill_logprobs()` once when the first token is reported.
+
+Ownership: the intake (`models/intake.py`) creates a sequence and its KV slots (server-allocated
+blocks when the router gave none; `owns_blocks`); the model's `release_sequences` frees those
+blocks and the sequence's encoder-cache entries, on filter, on release of its batch, or when a
+forward fails.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from tgi_vlm.generation import IncrementalDetokenizer, StoppingCriteria, TokenChooser
+from tgi_vlm.generation import FinishReason, IncrementalDetokenizer, StoppingCriteria, TokenChooser
+from tgi_vlm.models.image_spans import ImageSpan
+
+
+@dataclass
+class MultimodalState:
+    """A VLM sequence's image-side state (text-only models leave `Sequence.mm` as None).
+
+    images: spans in prompt order, each with its own encoder-cache key (assigned at intake).
+    adapter_state: whatever the architecture's adapter keeps per sequence (Qwen2-VL: MropePositions).
+    bidirectional_groups: `[prompt_len]` long on the model's device, for attention masks: positions
+    sharing a group id >= 0 attend both ways (Gemma3 image blocks, PaliGemma's prefix); -1 causal.
+    group_ids: the same on the host, for scheduling without device reads.
+    """
+
+    images: list[ImageSpan] = field(default_factory=list)
+    adapter_state: object | None = None
+    bidirectional_groups: torch.Tensor | None = None
+    group_ids: list[int] | None = None
+
+    def images_pending(self, num_computed: int) -> bool:
+        """Some image token is not yet in the KV cache."""
+        return bool(self.images) and num_computed < self.images[-1].end
+
+    def extend_to_group_end(self, end: int, prompt_len: int) -> int:
+        """`end`, moved forward so that it does not fall inside a bidirectional group."""
+        groups = self.group_ids
+        if groups is None or end >= prompt_len:
+            return end
+        group = groups[end - 1]
+        while group >= 0 and end < prompt_len and groups[end] == group:
+            end += 1
+        return end
 
 
 @dataclass
@@ -28,7 +70,8 @@ class Sequence:
     # [max positions] long, on the model's device: cache slot of every position the request may
     # write (router-given `slots`, or derived from the server-allocated block table).
     slot_tensor: torch.Tensor
-    owns_blocks: bool  # blocks came from the server's allocator and go back to it
+    owns_blocks: bool  # blocks came from the server's pool and go back to it
+    mm: MultimodalState | None = None  # None for text-only models
     num_computed: int = 0  # tokens whose K/V are in the cache
     first_chunk_len: int | None = None  # router's chunk_len for the first prefill
     started: bool = False  # a forward has run for this sequence (later chunks are sized by the server)
@@ -38,13 +81,10 @@ class Sequence:
     prefill_reported: bool = False
     finished: bool = False
 
+    # ----- queries -----
     @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prompt_len
-
-    def align_chunk(self, n: int) -> int:
-        """Adjust a prefill chunk of n tokens (subclasses keep attention blocks whole)."""
-        return n
 
     @property
     def remaining_prompt(self) -> int:
@@ -58,6 +98,42 @@ class Sequence:
     def max_total_tokens(self) -> int:
         return self.prompt_len + self.max_new_tokens
 
+    @property
+    def images(self) -> list[ImageSpan]:
+        return self.mm.images if self.mm is not None else []
 
-def slots_from_blocks(blocks: list[int], block_size: int) -> list[int]:
-    return [b * block_size + j for b in blocks for j in range(block_size)]
+    @property
+    def images_pending(self) -> bool:
+        return self.mm is not None and self.mm.images_pending(self.num_computed)
+
+    def align_chunk(self, n: int) -> int:
+        """A prefill chunk of n tokens, extended so it never ends inside a bidirectional block
+        (its earlier tokens must see its later ones)."""
+        if self.mm is None:
+            return n
+        return self.mm.extend_to_group_end(self.num_computed + n, self.prompt_len) - self.num_computed
+
+    # ----- transitions -----
+    def advance(self, n: int) -> None:
+        """A forward wrote the K/V of the next n tokens."""
+        if n < 1 or self.num_computed + n > len(self.all_ids):
+            raise ValueError(f"request {self.request_id}: cannot advance {n} from {self.num_computed}/{len(self.all_ids)}")
+        self.num_computed += n
+        self.started = True  # the router's chunk_len applies to the first prefill only
+
+    def append_token(self, token_id: int) -> tuple[str, FinishReason | None]:
+        """Add a sampled token: (its new text, the finish reason if it ends the request)."""
+        self.all_ids.append(token_id)
+        new_text = self.detokenizer.step(self.all_ids)
+        reason = self.stopping(token_id, new_text)
+        if reason is not None:
+            self.finished = True
+        return new_text, reason
+
+    def take_prefill_logprobs(self) -> list[float] | None:
+        """The prompt's logprobs (NaN for the first token) the first time they are due, else None."""
+        if not self.prefill_logprobs or self.prefill_reported:
+            return None
+        self.prefill_reported = True
+        missing = self.prompt_len - len(self.prefill_logprob_values)
+        return [math.nan] * missing + self.prefill_logprob_values

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tgi_vlm.layers.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
+from tgi_vlm.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGroup,
+    PagedKVCache,
+    PrefillSpan,
+)
 from tgi_vlm.models.sequence import Sequence
 
 
@@ -48,6 +54,10 @@ class SeqWindow:
     row: int
 
     @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
     def samples(self) -> bool:
         """The window reaches the end of the known tokens, so the step yields a new token."""
         return self.end == len(self.seq.all_ids)
@@ -61,7 +71,8 @@ class StepInputs:
     metadata: AttentionMetadata
 
 
-def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, device: torch.device) -> StepInputs:
+def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, backend: AttentionBackend,
+               device: torch.device) -> StepInputs:
     windows: list[SeqWindow] = []
     ids: list[int] = []
     positions: list[int] = []
@@ -80,29 +91,25 @@ def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, d
     metadata = AttentionMetadata(
         kv_cache=kv_cache,
         slots=slots,
-        decode=_decode_group(windows, row, device),
-        prefills=[_prefill_span(w) for w in windows if w.end - w.start > 1],
+        decode=_decode_group(windows, row),
+        prefills=[_prefill_span(w) for w in windows if w.num_tokens > 1],
+        backend=backend,
     )
     return StepInputs(windows, input_ids, positions_t, metadata)
 
 
-def _decode_group(windows: list[SeqWindow], num_tokens: int, device: torch.device) -> DecodeGroup | None:
-    singles = [w for w in windows if w.end - w.start == 1]
+def _decode_group(windows: list[SeqWindow], num_tokens: int) -> DecodeGroup | None:
+    singles = [w for w in windows if w.num_tokens == 1]
     if not singles:
         return None
-    kv_lens = [w.end for w in singles]
+    # padding is 0 → slot 0 of reserved block 0, masked out
     slot_index = torch.nn.utils.rnn.pad_sequence([w.seq.slot_tensor[: w.end] for w in singles], batch_first=True)
-    return DecodeGroup(
-        rows=torch.tensor([w.row for w in singles], dtype=torch.long, device=device),
-        slot_index=slot_index,  # padding is 0 → slot 0 of reserved block 0, masked out
-        kv_lens=torch.tensor(kv_lens, dtype=torch.long, device=device),
-        rows_are_all=len(singles) == num_tokens,
-    )
+    return DecodeGroup.build([w.row for w in singles], [w.end for w in singles], slot_index, num_tokens)
 
 
 def _prefill_span(window: SeqWindow) -> PrefillSpan:
     seq = window.seq
-    groups = getattr(seq, "bidirectional_groups", None)
+    groups = seq.mm.bidirectional_groups if seq.mm is not None else None
     return PrefillSpan(
         q_start=window.row,
         q_end=window.row + window.end - window.start,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from loguru import logger
 
+from tgi_vlm.blocks import blocks_needed
 from tgi_vlm.errors import InvalidArgument
-from tgi_vlm.layers.attention import blocks_needed
 from tgi_vlm.models.cuda_graphs import setup_decode_graphs
 from tgi_vlm.pb import generate_pb2
 
 
 def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, int]:
     max_prefill = request.max_prefill_tokens
-    model.max_total_tokens = None  # the warmup batch is checked against the new limits, not old ones
+    model.reset_limits()
     _run_warmup_batch(model, request.batch, max_prefill)
     if model.device.type == "cuda":
         # Measure while the warmup's peak activations are still reserved by the caching allocator and
@@ -27,10 +27,9 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
         torch.cuda.synchronize(model.device)
     temporary_blocks = model.kv_cache.num_blocks if model.kv_cache is not None else 0
     num_blocks = model.default_num_blocks(reclaimable_blocks=temporary_blocks)
-    model.kv_cache = None
     model.allocate_kv_cache(num_blocks)
     supported = num_blocks * model.config.block_size
-    model.prefill_budget = max_prefill if model.config.prefill_chunking and max_prefill else model.prefill_budget
+    model.set_prefill_budget(max_prefill)
 
     max_total = request.max_total_tokens if request.HasField("max_total_tokens") else None
     max_input = request.max_input_tokens if request.HasField("max_input_tokens") else None
@@ -41,7 +40,7 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
         max_input = max_total - 1
     if max_input >= max_total:
         raise InvalidArgument(f"max_input_tokens ({max_input}) must be below max_total_tokens ({max_total})")
-    model.max_total_tokens = max_total
+    model.set_max_total_tokens(max_total)
     model.graphs = setup_decode_graphs(model, max_total)  # None unless on CUDA with CUDA_GRAPHS set
     logger.info("KV cache: {} blocks of {} tokens ({} tokens)", num_blocks, model.config.block_size, supported)
     return supported, max_input, max_total
@@ -50,7 +49,7 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
 def _run_warmup_batch(model, pb_batch: generate_pb2.Batch, max_prefill: int) -> None:
     if not pb_batch.requests:
         return
-    model.prefill_budget = max(max_prefill, 1) if model.config.prefill_chunking else None
+    model.set_prefill_budget(max(max_prefill, 1))
     bs = model.config.block_size
     lengths = [len(model.tokenize_request(r, warmup=True).ids) for r in pb_batch.requests]
     model.allocate_kv_cache(1 + sum(blocks_needed(n + 1, bs) for n in lengths))  # + reserved block 0

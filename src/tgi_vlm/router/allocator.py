@@ -1,14 +1,17 @@
 """The router's KV block allocator (TGI v3's `SimpleAllocator`): blocks and slots per request.
 
-Block 0 is never handed out: TGI's liveness prefill and CUDA-graph padding write there. A request
-of `input_len` prompt tokens and `max_new_tokens` gets blocks for `input_len + max_new_tokens - 1`
-positions (the last generated token is never fed back), and one slot per position:
-`slot = block * block_size + offset`.
+Block arithmetic and the free list are `tgi_vlm.blocks`, shared with the engine. A request of
+`input_len` prompt tokens and `max_new_tokens` gets blocks for `input_len + max_new_tokens - 1`
+positions (`tokens_to_reserve`) and one slot per position.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tgi_vlm.blocks import BlockPool, blocks_needed, slots_from_blocks, tokens_to_reserve
+
+__all__ = ["Allocation", "BlockAllocator", "tokens_to_reserve"]
 
 
 @dataclass(frozen=True)
@@ -17,47 +20,44 @@ class Allocation:
     slots: list[int]  # one per position, len == tokens
 
 
-def tokens_to_allocate(input_len: int, max_new_tokens: int) -> int:
-    return max(input_len + max_new_tokens - 1, 1)
-
-
 class BlockAllocator:
+    """Whole-request allocations over a `BlockPool`; `is_full` means nothing is held."""
+
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 2 or block_size < 1:
-            raise ValueError(f"need at least 2 blocks (block 0 is reserved) of size >= 1, got {num_blocks} × {block_size}")
-        self.num_blocks = num_blocks
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out 1, 2, ...
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.pool.num_free
 
     @property
     def capacity(self) -> int:
-        """Blocks that can ever be handed out (all but the reserved block 0)."""
-        return self.num_blocks - 1
+        return self.pool.capacity
 
     @property
     def is_full(self) -> bool:
         """True when every allocatable block is free again (nothing is held)."""
-        return len(self._free) == self.capacity
+        return self.pool.num_allocated == 0
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_needed(tokens, self.block_size)
 
     def can_allocate(self, tokens: int) -> bool:
-        return self.blocks_for(tokens) <= len(self._free)
+        return self.pool.can_allocate(self.blocks_for(tokens))
 
     def allocate(self, tokens: int) -> Allocation | None:
         """Blocks and slots for `tokens` positions, or None when not enough blocks are free."""
-        n = self.blocks_for(tokens)
-        if n > len(self._free):
+        if not self.can_allocate(tokens):
             return None
-        blocks = [self._free.pop() for _ in range(n)]
-        bs = self.block_size
-        slots = [blocks[p // bs] * bs + p % bs for p in range(tokens)]
-        return Allocation(blocks=blocks, slots=slots)
+        blocks = self.pool.allocate(self.blocks_for(tokens))
+        return Allocation(blocks=blocks, slots=slots_from_blocks(blocks, self.block_size, tokens))
 
     def free(self, allocation: Allocation) -> None:
-        self._free.extend(reversed(allocation.blocks))
+        self.pool.free(allocation.blocks)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tgi_vlm.pb import generate_pb2 as pb
-from tgi_vlm.router.allocator import Allocation, BlockAllocator, tokens_to_allocate
+from tgi_vlm.router.allocator import Allocation, BlockAllocator, tokens_to_reserve
 from tgi_vlm.router.requests import Event, FinalEvent, RequestParams
 
 
@@ -33,7 +33,7 @@ class Entry:
 
     @property
     def tokens_needed(self) -> int:
-        return tokens_to_allocate(self.input_len, self.params.max_new_tokens)
+        return tokens_to_reserve(self.input_len, self.params.max_new_tokens)
 
     def to_pb(self) -> pb.Request:
         return self.params.to_pb(self.id, self.allocation, self.chunk_len)

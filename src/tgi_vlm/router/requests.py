@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tgi_vlm.generation import FinishReason
@@ -30,33 +31,50 @@ class RequestParams:
     top_n_tokens: int = 0
 
     def to_pb(self, request_id: int, allocation=None, chunk_len: int | None = None) -> pb.Request:
-        chunks = [
-            pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype="image/png"))
-            for c in self.chunks
-        ]
-        request = pb.Request(
-            id=request_id,
-            inputs="".join(c for c in self.chunks if isinstance(c, str)),
-            input_chunks=pb.Input(chunks=chunks),
-            truncate=self.truncate,
-            parameters=pb.NextTokenChooserParameters(
+        return build_request(
+            request_id, self.chunks,
+            parameters=dict(
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, typical_p=self.typical_p,
                 do_sample=self.do_sample, seed=self.seed, repetition_penalty=self.repetition_penalty,
                 frequency_penalty=self.frequency_penalty,
             ),
-            stopping_parameters=pb.StoppingCriteriaParameters(
-                max_new_tokens=self.max_new_tokens, stop_sequences=self.stop_sequences, ignore_eos_token=self.ignore_eos
-            ),
-            prefill_logprobs=self.prefill_logprobs,
-            top_n_tokens=self.top_n_tokens,
-            add_special_tokens=True,
+            max_new_tokens=self.max_new_tokens, stop_sequences=self.stop_sequences, ignore_eos=self.ignore_eos,
+            truncate=self.truncate, prefill_logprobs=self.prefill_logprobs, top_n_tokens=self.top_n_tokens,
+            blocks=allocation.blocks if allocation is not None else (),
+            slots=allocation.slots if allocation is not None else (),
+            chunk_len=chunk_len,
         )
-        if allocation is not None:
-            request.blocks.extend(allocation.blocks)
-            request.slots.extend(allocation.slots)
-        if chunk_len is not None:
-            request.chunk_len = chunk_len
-        return request
+
+
+def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters: dict | None = None,
+                  max_new_tokens: int = 16, stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
+                  truncate: int = 0, prefill_logprobs: bool = False, top_n_tokens: int = 0,
+                  add_special_tokens: bool = True, blocks: Sequence[int] = (), slots: Sequence[int] = (),
+                  chunk_len: int | None = None, mimetype: str = "image/png") -> pb.Request:
+    """The one place a `generate_pb2.Request` is built from text (str) and image (bytes) chunks in
+    prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything)."""
+    input_chunks = [
+        pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype=mimetype))
+        for c in chunks
+    ]
+    request = pb.Request(
+        id=request_id,
+        inputs="".join(c for c in chunks if isinstance(c, str)),
+        input_chunks=pb.Input(chunks=input_chunks),
+        truncate=truncate,
+        parameters=pb.NextTokenChooserParameters(**(parameters or {})),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=max_new_tokens, stop_sequences=list(stop_sequences), ignore_eos_token=ignore_eos
+        ),
+        prefill_logprobs=prefill_logprobs,
+        top_n_tokens=top_n_tokens,
+        add_special_tokens=add_special_tokens,
+        blocks=list(blocks),
+        slots=list(slots),
+    )
+    if chunk_len is not None:
+        request.chunk_len = chunk_len
+    return request
 
 
 @dataclass(frozen=True)

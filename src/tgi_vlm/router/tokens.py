@@ -2,8 +2,8 @@
 
 The router sizes each request's KV allocation from its prompt length. Rather than estimating image
 tokens (TGI's router over-counts Qwen), it loads the model's processor (not the weights) and runs
-the architecture adapter's `build_prompt` / `process`, exactly as `VlmCausalLM.tokenize_request`
-does, then applies `truncate` (keep the last tokens).
+the prompt half of the architecture adapter through the shard's own intake functions
+(`vlm_intake.prompt_parts` / `process_prompt`), then applies `truncate` (keep the last tokens).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 
 from tgi_vlm.config import InputLimits
-from tgi_vlm.images import ImageError, decode_image
+from tgi_vlm.errors import InvalidRequest
+from tgi_vlm.models.intake import request_chunks
 from tgi_vlm.pb import generate_pb2 as pb
 
 
@@ -29,15 +30,14 @@ class TokenCounter:
         hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
         self.limits = limits or InputLimits()
         self._lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
-        self.adapter = None
+        self.prompt = None
         if getattr(hf_config, "vision_config", None) is not None:
             from transformers import AutoProcessor
 
-            from tgi_vlm.models.architectures import adapter_for
+            from tgi_vlm.models.architectures import prompt_for
 
             processor = AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
-            # Adapters use the model only for the vision tower and positions; prompts need none.
-            self.adapter = adapter_for(hf_config.model_type)(None, processor, hf_config)
+            self.prompt = prompt_for(hf_config.model_type)(processor, hf_config)
             self.tokenizer = processor.tokenizer
         else:
             from transformers import AutoTokenizer
@@ -46,35 +46,19 @@ class TokenCounter:
 
     def count(self, request: pb.Request) -> int:
         with self._lock:
-            n = self._count(request)
+            try:
+                n = self._count(request)
+            except InvalidRequest as exc:
+                raise CountError(str(exc)) from None
         return min(n, request.truncate) if request.truncate else n
 
     def _count(self, request: pb.Request) -> int:
-        parts, images = self._chunks(request)
-        if self.adapter is None:
-            if images:
+        if self.prompt is None:
+            chunks = request_chunks(request)
+            if any(isinstance(c, bytes) for c in chunks):
                 raise CountError(f"request {request.id}: the model is text-only and cannot take image inputs")
-            text = "".join(p for p in parts if p is not None)
-            return len(self.tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
-        text = self.adapter.build_prompt(parts)
-        try:
-            processed = self.adapter.process(text, images, add_special_tokens=request.add_special_tokens)
-        except Exception as exc:  # noqa: BLE001 - the processor's failure on user content
-            raise CountError(f"request {request.id}: the processor rejected the input: {exc}") from None
-        return int(processed["input_ids"].shape[-1])
+            return len(self.tokenizer("".join(chunks), add_special_tokens=request.add_special_tokens)["input_ids"])
+        from tgi_vlm.models.vlm_intake import process_prompt, prompt_parts
 
-    def _chunks(self, request: pb.Request) -> tuple[list[str | None], list]:
-        if not request.HasField("input_chunks") or not request.input_chunks.chunks:
-            return [request.inputs], []
-        parts: list[str | None] = []
-        images = []
-        for chunk in request.input_chunks.chunks:
-            if chunk.WhichOneof("chunk") == "text":
-                parts.append(chunk.text)
-                continue
-            try:
-                images.append(decode_image(chunk.image.data, self.limits))
-            except ImageError as exc:
-                raise CountError(f"request {request.id}: image {len(images)}: {exc}") from None
-            parts.append(None)
-        return parts, images
+        parts, images, _ = prompt_parts(request, self.limits)
+        return int(process_prompt(self.prompt, request, parts, images)["input_ids"].shape[-1])

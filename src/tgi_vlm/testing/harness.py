@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.router.requests import build_request
 
 
 def make_request(
@@ -30,26 +31,11 @@ def make_request(
     **parameters,
 ) -> pb.Request:
     """Text chunks are str, images are bytes, in prompt order. `parameters` go to NextTokenChooserParameters."""
-    input_chunks = [
-        pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype=mimetype))
-        for c in chunks
-    ]
-    request = pb.Request(
-        id=request_id,
-        inputs="".join(c for c in chunks if isinstance(c, str)),
-        input_chunks=pb.Input(chunks=input_chunks),
-        truncate=truncate,
-        parameters=pb.NextTokenChooserParameters(**parameters),
-        stopping_parameters=pb.StoppingCriteriaParameters(
-            max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos, stop_sequences=list(stop_sequences)
-        ),
-        prefill_logprobs=prefill_logprobs,
-        top_n_tokens=top_n_tokens,
-        add_special_tokens=add_special_tokens,
+    return build_request(
+        request_id, chunks, parameters=parameters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+        truncate=truncate, chunk_len=chunk_len, prefill_logprobs=prefill_logprobs, top_n_tokens=top_n_tokens,
+        stop_sequences=stop_sequences, add_special_tokens=add_special_tokens, mimetype=mimetype,
     )
-    if chunk_len is not None:
-        request.chunk_len = chunk_len
-    return request
 
 
 def make_batch(batch_id: int, requests: list[pb.Request]) -> pb.Batch:

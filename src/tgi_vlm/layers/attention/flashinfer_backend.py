@@ -1,8 +1,7 @@
 """Paged attention through flashinfer (CUDA only; `pip install tgi-vlm[gpu]`).
 
-Same contract as torch_backend.py: the registered callable gets rotary-applied query
-`[1, Hq, T, D]` and key/value `[1, Hkv, T, D]`, writes K/V at `attn_metadata.slots` (our
-`index_copy_`), and returns `[1, T, Hq, D]`. Our cache layout `[num_blocks, block_size, Hkv, D]`
+Same contract as torch_backend.py (see backend.py): rotary-applied query `[1, Hq, T, D]` and
+key/value `[1, Hkv, T, D]`, K/V written at `meta.slots`, `[1, T, Hq, D]` returned. Our cache layout `[num_blocks, block_size, Hkv, D]`
 is flashinfer's "NHD" paged layout, with block = page.
 
 Steps are planned, not per layer but per (window, scale, heads, dtype) key:
@@ -12,13 +11,13 @@ Steps are planned, not per layer but per (window, scale, heads, dtype) key:
   `window_left = window - 1`; when a span has bidirectional groups (Gemma3 image blocks,
   PaliGemma prefix) the whole step gets a flattened custom mask built by metadata.py's own mask
   functions, window included.
-Planning is host work (it reads lengths back from the device once per step). Eagerly it happens
-lazily at the first layer that needs a key; under CUDA graphs `prepare_for_capture` /
+Planning is host work from the metadata's host lengths (no read-back from the device). Eagerly it
+happens lazily at the first layer that needs a key; under CUDA graphs `prepare_for_capture` /
 `prepare_for_replay` plan every key seen so far on per-size wrappers with fixed buffers, outside
 the graph, and the captured layers only `run`.
 
-Chunked attention (Llama4) and float32 are not expressed here; such layers use the torch
-reference. flashinfer is imported lazily, so this module imports on CPU machines.
+Chunked attention (Llama4), soft-capped logits and float32 are not expressed here; such layers use
+the torch reference. flashinfer is imported lazily, so this module imports on CPU machines.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from loguru import logger
 
+from tgi_vlm.layers.attention.backend import AttentionBackend, AttentionPattern
 from tgi_vlm.layers.attention.metadata import AttentionMetadata
-from tgi_vlm.layers.attention.torch_backend import attention_chunk_size, torch_paged_attention
+from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend, write_kv
 
 WORKSPACE_BYTES = 256 << 20  # flashinfer's split-k scratch, shared by every wrapper
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-STATE_ATTR = "_flashinfer_plans"  # set on an AttentionMetadata by planning; lives as long as it
 
 
 @dataclass(frozen=True)
@@ -66,38 +65,38 @@ class StepPlans:
     wrappers: dict[PlanKey, object] = field(default_factory=dict)
 
 
-def flashinfer_backend() -> FlashinferAttention | None:
-    """The backend when CUDA is available and `import flashinfer` works, else None (torch is used)."""
+def flashinfer_available() -> bool:
+    """True when CUDA is available and `import flashinfer` works (else the torch backend is used)."""
     if not torch.cuda.is_available():
-        return None
+        return False
     try:
         import flashinfer  # noqa: F401
     except Exception as exc:  # a missing or broken install (ABI mismatch) must not break the torch path
         logger.debug("flashinfer unavailable: {}", exc)
-        return None
-    return FlashinferAttention()
+        return False
+    return True
 
 
-class FlashinferAttention:
-    """The callable registered under ATTENTION_NAME, plus the CUDA-graph lifecycle hooks."""
+class FlashinferBackend(AttentionBackend):
+    """flashinfer's paged wrappers, planned on the host; the torch reference for what it can't express."""
 
-    def __init__(self):
+    name = "flashinfer"
+
+    def __init__(self, pattern: AttentionPattern | None = None):
+        super().__init__(pattern)
+        self.fallback = TorchPagedBackend(self.pattern)
         self.keys: set[PlanKey] = set()  # every key seen; CUDA-graph plans cover all of them
         self._workspace: torch.Tensor | None = None
         self._eager: dict[tuple[bool, PlanKey], object] = {}  # (decode, key) → wrapper, reused across steps
         self._graph: dict[tuple[int, PlanKey], object] = {}  # (size, key) → decode wrapper with fixed buffers
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                 sliding_window=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
-        if attn_metadata is None:
-            raise RuntimeError("tgi_vlm paged attention called without attn_metadata (use the engine's forward)")
-        meta = attn_metadata
-        if attention_chunk_size(module) or query.dtype not in SUPPORTED_DTYPES:
-            return torch_paged_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                         sliding_window, attn_metadata=meta, **kwargs)
-        k_cache, v_cache = meta.kv_cache.flat(module.layer_idx)  # [slots, Hkv, D]
-        k_cache.index_copy_(0, meta.slots, key[0].transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    def forward(self, layer_idx, query, key, value, meta: AttentionMetadata, *, scaling, sliding_window,
+                softcap=None) -> torch.Tensor:
+        if self.pattern.chunk_size(layer_idx) or softcap or query.dtype not in SUPPORTED_DTYPES:
+            return self.fallback.forward(layer_idx, query, key, value, meta, scaling=scaling,
+                                         sliding_window=sliding_window, softcap=softcap)
+        k_cache, v_cache = meta.kv_cache.flat(layer_idx)  # [slots, Hkv, D]
+        write_kv(k_cache, v_cache, key, value, meta.slots)
         q = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
         plan_key = PlanKey(
             window_left=sliding_window - 1 if sliding_window else -1,
@@ -108,26 +107,27 @@ class FlashinferAttention:
             dtype=q.dtype,
         )
         wrapper = self._wrapper(meta, plan_key)
-        cache = (meta.kv_cache.keys[module.layer_idx], meta.kv_cache.values[module.layer_idx])
-        return wrapper.run(q, cache)[None], None  # [1, T, Hq, D]
+        cache = (meta.kv_cache.keys[layer_idx], meta.kv_cache.values[layer_idx])
+        return wrapper.run(q, cache)[None]  # [1, T, Hq, D]
 
-    # ----- CUDA-graph lifecycle (called by models/cuda_graphs.py, outside the graph) -----
-    def prepare_for_capture(self, meta: AttentionMetadata, size: int) -> None:
-        self.prepare_for_replay(meta, size)
+    # ----- lifecycle (host side, outside any graph) -----
+    def plan(self, meta: AttentionMetadata) -> None:
+        """The step's page tables; wrappers are planned per key at the first layer that needs one."""
+        meta.backend_state = StepPlans(build_layout(meta), graph_size=None)
 
     def prepare_for_replay(self, meta: AttentionMetadata, size: int) -> None:
         """Re-plan every known key on this size's fixed-buffer wrappers from the refilled static metadata."""
         plans = StepPlans(build_layout(meta), graph_size=size)
-        setattr(meta, STATE_ATTR, plans)
+        meta.backend_state = plans
         for plan_key in self.keys:
             plans.wrappers[plan_key] = self._plan(meta, plans, plan_key)
 
     # ----- planning -----
     def _wrapper(self, meta: AttentionMetadata, plan_key: PlanKey):
-        plans: StepPlans | None = getattr(meta, STATE_ATTR, None)
+        plans: StepPlans | None = meta.backend_state
         if plans is None:
-            plans = StepPlans(build_layout(meta), graph_size=None)
-            setattr(meta, STATE_ATTR, plans)
+            self.plan(meta)
+            plans = meta.backend_state
         wrapper = plans.wrappers.get(plan_key)
         if wrapper is None:
             if torch.cuda.is_current_stream_capturing():
@@ -205,14 +205,14 @@ def _pages(tokens: int, page_size: int) -> int:
 
 
 def build_layout(meta: AttentionMetadata) -> PagedLayout:
-    """Page tables for the step, sequences in row order. Assumes block-aligned slots (TGI's router
-    and our allocator both give whole blocks): position p of a sequence is in page slot_index[p] // bs."""
+    """Page tables for the step, sequences in row order, from host lengths only (no device read-back).
+    Assumes block-aligned slots (TGI's router and our allocator both give whole blocks): position p
+    of a sequence is in page slot_index[p] // bs."""
     page_size = meta.kv_cache.spec.block_size
     entries = []  # (q_start, q_len, kv_len, slot_index [kv_len], origin)
     if meta.decode is not None:
         group = meta.decode
-        rows, lens = group.rows.tolist(), group.kv_lens.tolist()
-        for i, (row, n) in enumerate(zip(rows, lens)):
+        for i, (row, n) in enumerate(zip(group.row_list, group.kv_len_list)):
             entries.append((row, 1, n, group.slot_index[i, :n], ("decode", i)))
     for index, span in enumerate(meta.prefills):
         entries.append((span.q_start, span.q_len, span.kv_len, span.slot_index[: span.kv_len], ("span", index)))

@@ -1,4 +1,4 @@
-"""Paged KV cache tensors and the server-side block allocator.
+"""Paged KV cache tensors (block arithmetic and the free list: `tgi_vlm.blocks`).
 
 Layout per layer: K and V are `[num_blocks, block_size, kv_heads, head_dim]`; token position p of
 a sequence lives at slot `block_table[p // block_size] * block_size + p % block_size`. Block 0 is
@@ -44,37 +44,3 @@ class PagedKVCache:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.spec.block_size
-
-
-class BlockAllocator:
-    """Free list of KV blocks for requests that arrive without router-given blocks (warmup, tests).
-
-    `num_allocated` is the counter tests assert returns to zero after every scenario.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))  # block 0 reserved; pop() hands out 1, 2, ...
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_allocated(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if not self.can_allocate(n):
-            raise MemoryError(f"KV cache full: {n} blocks requested, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return (num_tokens + block_size - 1) // block_size

@@ -9,10 +9,14 @@ per (group, sliding window) and cached for the remaining layers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tgi_vlm.layers.attention.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from tgi_vlm.layers.attention.backend import AttentionBackend
 
 
 @dataclass
@@ -36,21 +40,47 @@ class PrefillSpan:
 @dataclass
 class DecodeGroup:
     """Sequences feeding one token each, padded to the longest: slot_index `[B, max_kv]` (padding
-    points at slot 0 and is masked out), kv_lens `[B]`, rows `[B]` into the packed tokens."""
+    points at slot 0 and is masked out), kv_lens `[B]`, rows `[B]` into the packed tokens.
+
+    `row_list` / `kv_len_list` are the same numbers on the host: planning reads these, never the
+    device tensors (a read-back would be a host sync per step, and per graph replay)."""
 
     rows: torch.Tensor
     slot_index: torch.Tensor
     kv_lens: torch.Tensor
     rows_are_all: bool  # the step is decode only: rows == arange(T), no gather/scatter needed
+    row_list: list[int]
+    kv_len_list: list[int]
+
+    @classmethod
+    def build(cls, rows: list[int], kv_lens: list[int], slot_index: torch.Tensor, num_tokens: int) -> DecodeGroup:
+        device = slot_index.device
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            slot_index=slot_index,
+            kv_lens=torch.tensor(kv_lens, dtype=torch.long, device=device),
+            rows_are_all=len(rows) == num_tokens,
+            row_list=list(rows),
+            kv_len_list=list(kv_lens),
+        )
 
 
 @dataclass
 class AttentionMetadata:
+    """One step's attention inputs. Created by the step builder (or a graph's static inputs), lives
+    for one forward; `backend` is the model's own backend, `backend_state` what its `plan` made."""
+
     kv_cache: PagedKVCache
     slots: torch.Tensor  # [T] long: where this step's keys/values are written
     decode: DecodeGroup | None
     prefills: list[PrefillSpan]
+    backend: AttentionBackend | None = None
+    backend_state: object | None = None
     _masks: dict = field(default_factory=dict, repr=False)
+
+    def clear_masks(self) -> None:
+        """Forget cached masks (static graph inputs are refilled in place between runs)."""
+        self._masks.clear()
 
     def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_kv] bool: True where the decode query may attend."""

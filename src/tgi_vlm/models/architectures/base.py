@@ -1,33 +1,41 @@
 """The per-architecture adapter: everything that differs between VLMs, and nothing else.
 
-Shared code (vlm_causal_lm.py) asks the adapter for the placeholder of one image, the processor
-outputs, the vision features of a list of images, position ids and the attention pattern. The
-defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
+Two halves, so that code holding only a processor (the router's token counter) never builds a
+model-side object:
+- `VlmPrompt` (no weights): the placeholder of one image, the prompt layout, the processor on the
+  whole prompt and on each image alone.
+- `VlmAdapter` (the loaded model): vision features, the language model, per-sequence adapter state
+  (e.g. mrope positions), position ids, bidirectional attention groups, the per-layer attention
+  pattern. It owns a `VlmPrompt` as `.prompt`.
+The defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
 overrides only what differs.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from tgi_vlm.layers.attention import AttentionPattern
+
+if TYPE_CHECKING:
+    from tgi_vlm.models.step import StepInputs
 
 # Processor outputs that are not pixel inputs of the vision tower.
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels")
 
 
-class VlmAdapter:
-    model_types: ClassVar[tuple[str, ...]] = ()
+class VlmPrompt:
+    """The prompt side of an architecture: needs the processor and the config, never the weights."""
 
-    def __init__(self, model: torch.nn.Module, processor, hf_config):
-        self.model = model
+    def __init__(self, processor, hf_config):
         self.processor = processor
         self.config = hf_config
         self.tokenizer = processor.tokenizer
         token_id = getattr(hf_config, "image_token_id", None)
         self.image_token_id = int(token_id if token_id is not None else hf_config.image_token_index)
 
-    # ----- prompt -----
     def image_placeholder(self) -> str:
         """Text standing for one image in the prompt; the processor expands it."""
         return self.processor.image_token
@@ -55,6 +63,20 @@ class VlmAdapter:
         out = self.processor(text=[self.image_placeholder()], images=[image], return_tensors="pt")
         count = int((out["input_ids"] == self.image_token_id).sum())
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
+
+
+class VlmAdapter:
+    """The model side of an architecture. `prompt_type` names its prompt half."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    prompt_type: ClassVar[type[VlmPrompt]] = VlmPrompt
+    position_rows: ClassVar[int] = 1  # rows of position ids per token (Qwen2-VL's mrope: 3)
+    position_offset: ClassVar[int] = 0  # PaliGemma counts positions from 1
+
+    def __init__(self, model: torch.nn.Module, processor, hf_config):
+        self.model = model
+        self.config = hf_config
+        self.prompt = self.prompt_type(processor, hf_config)
 
     # ----- vision tower -----
     batch_images: ClassVar[bool] = True  # images with same-shaped pixel inputs share one vision call
@@ -96,19 +118,21 @@ class VlmAdapter:
         """The text decoder (called directly with packed inputs_embeds)."""
         return self.model.get_decoder()
 
-    def prompt_extras(self, processed: dict, input_ids: list[int], spans: list) -> dict:
-        """Per-sequence state the adapter needs later (e.g. mrope positions); stored on the sequence."""
-        return {}
+    def attention_pattern(self) -> AttentionPattern:
+        """Per-layer attention facts of the language model (default: none beyond sliding windows)."""
+        return AttentionPattern()
+
+    def adapter_state(self, processed: dict, input_ids: list[int], spans: list) -> object | None:
+        """Per-sequence state the adapter needs later (e.g. mrope positions); kept in `seq.mm`."""
+        return None
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
         """[prompt_len] group id per position (-1 = causal), or None when the model is plain causal."""
         return None
 
-    def position_ids(self, step, seqs_extras) -> torch.Tensor | None:
-        """Position ids for the step, or None for plain absolute positions."""
-        return None
-
-    position_offset: ClassVar[int] = 0  # PaliGemma counts positions from 1
+    def position_ids(self, step: StepInputs) -> torch.Tensor:
+        """Position ids `[position_rows, T]`-shaped for the language model; default absolute (+ offset)."""
+        return (step.positions + self.position_offset)[None]
 
 
 def _shape_key(pixels: dict) -> tuple:

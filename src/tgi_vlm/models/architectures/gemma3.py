@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from tgi_vlm.models.architectures.base import VlmAdapter
+from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt
 from tgi_vlm.models.architectures.registry import register
+
+
+class Gemma3Prompt(VlmPrompt):
+    def image_placeholder(self) -> str:
+        return self.processor.boi_token  # the processor expands <start_of_image> into the full block
 
 
 @register
 class Gemma3Adapter(VlmAdapter):
     model_types = ("gemma3",)
-
-    def image_placeholder(self) -> str:
-        return self.processor.boi_token  # the processor expands <start_of_image> into the full block
+    prompt_type = Gemma3Prompt
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
         groups = torch.full((len(input_ids),), -1, dtype=torch.long)

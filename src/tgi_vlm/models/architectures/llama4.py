@@ -1,6 +1,6 @@
 """Llama4: images become tiles of `<|patch|>` tokens between `<|image_start|>`/`<|image_end|>`;
-the vision model's output goes through the multi-modal projector; some text layers use chunked
-attention (handled by the attention backend from `layer_types`)."""
+the vision model's output goes through the multi-modal projector; the text layers marked
+"chunked_attention" in `layer_types` attend only within `attention_chunk_size` positions."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from tgi_vlm.layers.attention import AttentionPattern
 from tgi_vlm.models.architectures.base import VlmAdapter, _to, flatten_features
 from tgi_vlm.models.architectures.registry import register
 
@@ -16,10 +17,6 @@ from tgi_vlm.models.architectures.registry import register
 class Llama4Adapter(VlmAdapter):
     model_types = ("llama4",)
     batch_images = False  # its vision model flattens tiles across images; one call per image keeps rows apart
-
-    def __init__(self, model, processor, hf_config):
-        super().__init__(model, processor, hf_config)
-        _work_around_missing_image_outputs()
 
     def _encode_one(self, pixels: dict) -> torch.Tensor:
         device, dtype = self.vision_device_dtype()
@@ -37,12 +34,20 @@ class Llama4Adapter(VlmAdapter):
         # Llama4's get_decoder() returns the causal-LM wrapper; we need its inner text model.
         return self.model.language_model.model
 
+    def attention_pattern(self) -> AttentionPattern:
+        text = self.config.get_text_config()
+        layer_types = getattr(text, "layer_types", None) or []
+        size = getattr(text, "attention_chunk_size", None)
+        chunked = {i: size for i, kind in enumerate(layer_types) if kind == "chunked_attention" and size}
+        return AttentionPattern(chunk_sizes=chunked)
 
-def _work_around_missing_image_outputs() -> None:
+
+def enable_transformers_generate() -> None:
     """transformers 5.24 bug: Llama4ForConditionalGeneration.forward reads `outputs.image_outputs`
     from the MoeCausalLMOutputWithPast its language model returns, which has no such field, so every
-    dict-returning forward (and `generate`) raises AttributeError. Our engine never calls that forward;
-    a class-level default keeps transformers' own forward usable next to us (reference checks)."""
+    dict-returning forward (and `generate`) raises AttributeError. Our engine never calls that
+    forward, so the shard does not patch anything; code that runs transformers' own `generate` as a
+    reference (tests, `bench`) calls this first. It sets a class-level default, nothing else."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     if not hasattr(MoeCausalLMOutputWithPast, "image_outputs"):

@@ -7,21 +7,17 @@ import logging
 
 import torch
 
-from tgi_vlm.models.architectures.base import VlmAdapter
+from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt
 from tgi_vlm.models.architectures.registry import register
 
 
-@register
-class PaliGemmaAdapter(VlmAdapter):
-    model_types = ("paligemma",)
-    position_offset = 1
-
+class PaliGemmaPrompt(VlmPrompt):
     def build_prompt(self, parts: list[str | None]) -> str:
         # PaliGemma's convention: images first, then the text; the processor adds <bos> and "\n".
         return "".join(p for p in parts if p is not None)
 
-    def __init__(self, model, processor, hf_config):
-        super().__init__(model, processor, hf_config)
+    def __init__(self, processor, hf_config):
+        super().__init__(processor, hf_config)
         # The processor warns on every call whose text has no <image> tokens, which is the convention
         # it documents for building "<image>"*n + <bos> + text + "\n" itself: keep our logs quiet.
         logging.getLogger("transformers.models.paligemma.processing_paligemma").setLevel(logging.ERROR)
@@ -39,6 +35,13 @@ class PaliGemmaAdapter(VlmAdapter):
         out = self.processor(text=[""], images=[image], return_tensors="pt")
         count = int((out["input_ids"] == self.image_token_id).sum())
         return {"pixel_values": out["pixel_values"]}, count
+
+
+@register
+class PaliGemmaAdapter(VlmAdapter):
+    model_types = ("paligemma",)
+    prompt_type = PaliGemmaPrompt
+    position_offset = 1
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
         token_types = processed.get("token_type_ids")

@@ -7,19 +7,33 @@ image grids opened in the text positions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tgi_vlm.models.architectures.base import VlmAdapter, _to
+from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt, _to
 from tgi_vlm.models.architectures.registry import register
+
+
+@dataclass
+class MropePositions:
+    """A sequence's prompt positions `[3, prompt_len]` (CPU) and the delta for generated tokens."""
+
+    rows: torch.Tensor
+    delta: int
+
+
+class Qwen2VLPrompt(VlmPrompt):
+    def image_placeholder(self) -> str:
+        # The chat template wraps the pad token; the processor expands only <|image_pad|>.
+        return "<|vision_start|>" + self.processor.image_token + "<|vision_end|>"
 
 
 @register
 class Qwen2VLAdapter(VlmAdapter):
     model_types = ("qwen2_vl", "qwen2_5_vl")
-
-    def image_placeholder(self) -> str:
-        # The chat template wraps the pad token; the processor expands only <|image_pad|>.
-        return "<|vision_start|>" + self.processor.image_token + "<|vision_end|>"
+    prompt_type = Qwen2VLPrompt
+    position_rows = 3
 
     def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
         # One vision call for all images: the tower keeps images apart through cu_seqlens.
@@ -31,26 +45,27 @@ class Qwen2VLAdapter(VlmAdapter):
         )
         return list(out.pooler_output)
 
-    def prompt_extras(self, processed: dict, input_ids: list[int], spans: list) -> dict:
+    def adapter_state(self, processed: dict, input_ids: list[int], spans: list) -> MropePositions:
         n = len(input_ids)
         if not spans:
-            return {"mrope": torch.arange(n).expand(3, n).clone(), "mrope_delta": 0}
+            return MropePositions(rows=torch.arange(n).expand(3, n).clone(), delta=0)
         grids = torch.cat([s.pixel_inputs["image_grid_thw"] for s in spans])
         positions, delta = self.model.model.get_rope_index(
             input_ids=torch.tensor([input_ids]),
             mm_token_type_ids=processed["mm_token_type_ids"],
             image_grid_thw=grids,
         )
-        return {"mrope": positions[:, 0, :].cpu(), "mrope_delta": int(delta.reshape(-1)[0])}
+        return MropePositions(rows=positions[:, 0, :].cpu(), delta=int(delta.reshape(-1)[0]))
 
-    def position_ids(self, step, extras: list[dict]) -> torch.Tensor:
+    def position_ids(self, step) -> torch.Tensor:
         """[3, 1, T]: prompt windows take their precomputed rows; generated tokens p + delta."""
         device = step.positions.device
+        states: list[MropePositions] = [w.seq.mm.adapter_state for w in step.windows]
         lengths = torch.tensor([w.end - w.start for w in step.windows])
-        deltas = torch.tensor([0 if w.start < w.seq.prompt_len else ex["mrope_delta"] for w, ex in zip(step.windows, extras)])
+        deltas = torch.tensor([0 if w.start < w.seq.prompt_len else st.delta for w, st in zip(step.windows, states)])
         offsets = torch.repeat_interleave(deltas, lengths).to(device)
         rows = (step.positions + offsets).expand(3, -1).clone()
-        for w, ex in zip(step.windows, extras):
+        for w, st in zip(step.windows, states):
             if w.start < w.seq.prompt_len:
-                rows[:, w.row : w.row + w.end - w.start] = ex["mrope"][:, w.start : w.end].to(device)
+                rows[:, w.row : w.row + w.end - w.start] = st.rows[:, w.start : w.end].to(device)
         return rows[:, None, :]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tgi_vlm.models.architectures.base import VlmAdapter
+from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt
 
 _ADAPTERS: dict[str, type[VlmAdapter]] = {}
 
@@ -26,6 +26,11 @@ def adapter_for(model_type: str) -> type[VlmAdapter]:
             f"{', '.join(sorted(_ADAPTERS))}"
         )
     return _ADAPTERS[model_type]
+
+
+def prompt_for(model_type: str) -> type[VlmPrompt]:
+    """The prompt half only (processor, no weights): what the router's token counter needs."""
+    return adapter_for(model_type).prompt_type
 
 
 def _load_all() -> None:

@@ -1,0 +1,134 @@
+"""Request intake: a `generate_pb2.Request` becomes a validated `Sequence` with its KV slots.
+
+Two stages, so that a batch is validated completely before anything is allocated:
+1. tokenize (`FlashCausalLM.tokenize_request`; VLMs: `vlm_intake.py`) → `TokenizedPrompt`;
+2. `make_sequence`: parameters, lengths and slots checked; server blocks claimed only if the
+   router gave none. Every refusal is an `InvalidRequest` naming the request.
+`request_chunks` is the one place a request's input is unpacked (engine, router counter, tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tgi_vlm.blocks import blocks_needed, slots_from_blocks
+from tgi_vlm.errors import InvalidRequest
+from tgi_vlm.generation import IncrementalDetokenizer, StoppingCriteria, TokenChooser, validate_parameters
+from tgi_vlm.models.sequence import MultimodalState, Sequence
+from tgi_vlm.pb import generate_pb2
+
+if TYPE_CHECKING:
+    from tgi_vlm.models.flash_causal_lm import FlashCausalLM
+
+
+@dataclass
+class TokenizedPrompt:
+    ids: list[int]  # after truncation
+    mm: MultimodalState | None = None  # VLMs: spans, adapter state, groups (host tensors)
+
+    @property
+    def images(self) -> list:
+        return self.mm.images if self.mm is not None else []
+
+
+def request_chunks(request: generate_pb2.Request) -> list[str | bytes]:
+    """The request's input in prompt order: text as str, each image as its encoded bytes.
+    A request without `input_chunks` is its `inputs` string (older routers)."""
+    if not request.HasField("input_chunks") or not request.input_chunks.chunks:
+        return [request.inputs]
+    return [c.text if c.WhichOneof("chunk") == "text" else c.image.data for c in request.input_chunks.chunks]
+
+
+def truncate_ids(ids: list[int], truncate: int) -> list[int]:
+    """Keep the last `truncate` tokens, as TGI does (truncation_side="left"); 0 means no limit."""
+    return ids[-truncate:] if truncate and len(ids) > truncate else ids
+
+
+def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: TokenizedPrompt, *,
+                  liveness: bool = False, warmup: bool = False) -> Sequence:
+    ids, rid = prompt.ids, request.id
+    stopping = request.stopping_parameters
+    check_request(model, request, len(ids))
+    # Warmup runs a single forward, so it reserves the prompt plus one token, not max_new_tokens.
+    total = len(ids) + (1 if warmup else stopping.max_new_tokens)
+    needed_slots = total - 1  # the last generated token is never fed back
+    block_table, owns, slots = claim_slots(model, request, total)
+    if liveness and slots and max(slots) < model.config.block_size:
+        # TGI's health check writes only into reserved block 0 (blocks=[0]); its output is discarded.
+        slots = [slots[i % len(slots)] for i in range(needed_slots)]
+    try:
+        check_slots(rid, slots, needed_slots, len(ids), stopping.max_new_tokens, model.kv_cache.num_slots)
+    except InvalidRequest:
+        if owns:
+            model.pool.free(block_table)
+        raise
+    return Sequence(
+        request_id=rid,
+        all_ids=list(ids),
+        prompt_len=len(ids),
+        max_new_tokens=stopping.max_new_tokens,
+        chooser=TokenChooser.from_params(request.parameters, device=model.device,
+                                         watermark_gamma=model.config.watermark_gamma,
+                                         watermark_delta=model.config.watermark_delta),
+        stopping=StoppingCriteria.from_params(stopping, model.eos_token_ids),
+        detokenizer=IncrementalDetokenizer(model.tokenizer, list(ids)),
+        block_table=block_table,
+        slot_tensor=torch.tensor(slots[:needed_slots], dtype=torch.long, device=model.device),
+        owns_blocks=owns,
+        mm=prompt.mm,
+        first_chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
+        prefill_logprobs=request.prefill_logprobs,
+        top_n_tokens=request.top_n_tokens,
+    )
+
+
+def check_request(model: FlashCausalLM, request: generate_pb2.Request, prompt_len: int) -> None:
+    """Everything about a request except its slots; raises InvalidRequest naming it."""
+    rid, stopping = request.id, request.stopping_parameters
+    if not prompt_len:
+        raise InvalidRequest(rid, "empty input: the prompt has no tokens")
+    problems = validate_parameters(request.parameters, stopping, model.vocab_size)
+    if problems:
+        raise InvalidRequest(rid, "; ".join(problems))
+    if request.cache_len:
+        # Info says use_prefix_caching=false, so nothing is cached to reuse: trusting cache_len would
+        # attend over stale slots (and skip its images' encoding).
+        raise InvalidRequest(rid, f"cache_len={request.cache_len} but prefix caching is not enabled on this shard")
+    if model.max_total_tokens and prompt_len + stopping.max_new_tokens > model.max_total_tokens:
+        raise InvalidRequest(
+            rid,
+            f"{prompt_len} prompt tokens + max_new_tokens {stopping.max_new_tokens} exceed "
+            f"max_total_tokens {model.max_total_tokens}",
+        )
+
+
+def check_slots(rid: int, slots: list[int], needed: int, prompt_len: int, max_new_tokens: int, num_slots: int) -> None:
+    """Enough slots for every position, and each inside the cache: an out-of-range slot would be an
+    out-of-bounds KV write on the device."""
+    if len(slots) < needed:
+        raise InvalidRequest(
+            rid,
+            f"needs {needed} KV slots ({prompt_len} prompt tokens + max_new_tokens {max_new_tokens} - 1) "
+            f"but the router gave {len(slots)}",
+        )
+    highest = max(slots[:needed])
+    if highest >= num_slots:
+        raise InvalidRequest(rid, f"slot {highest} is outside the KV cache ({num_slots} slots)")
+
+
+def claim_slots(model: FlashCausalLM, request: generate_pb2.Request, total: int) -> tuple[list[int], bool, list[int]]:
+    """(block table, owned by the server?, slots): the router's slots or blocks when given, else
+    blocks from the server's pool (warmup, tests)."""
+    bs = model.config.block_size
+    if request.slots:
+        return list(request.blocks), False, list(request.slots)
+    if request.blocks:
+        return list(request.blocks), False, slots_from_blocks(list(request.blocks), bs)
+    n = blocks_needed(total, bs)
+    if not model.pool.can_allocate(n):
+        raise InvalidRequest(request.id, f"KV cache full: needs {n} blocks, {model.pool.num_free} free")
+    blocks = model.pool.allocate(n)
+    return blocks, True, slots_from_blocks(blocks, bs)
