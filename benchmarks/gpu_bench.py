@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import torch
 
 from tgi_vlm.layers.attention import (
-    BACKENDS,
     AttentionMetadata,
     DecodeGroup,
     KVCacheSpec,
     PagedKVCache,
-    register_attention,
+    flashinfer_available,
+    make_backend,
+    register_paged_attention,
 )
-from tgi_vlm.layers.attention.flashinfer_backend import STATE_ATTR
 from tgi_vlm.models.cuda_graphs import DecodeGraphs
 
 BATCHES = (1, 8, 32)
@@ -42,10 +42,10 @@ def qwen2_vl_2b_config():
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True)
 
 
-def build_model(backend: str):
+def build_model():
     from transformers import Qwen2VLForConditionalGeneration
 
-    name = register_attention(backend)
+    name = register_paged_attention()
     config = qwen2_vl_2b_config()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -68,15 +68,14 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - start)
 
 
-def decode_meta(kv_cache: PagedKVCache, batch: int) -> AttentionMetadata:
+def decode_meta(kv_cache: PagedKVCache, backend, batch: int) -> AttentionMetadata:
     blocks_per_seq = (CONTEXT + 1 + BLOCK - 1) // BLOCK
     slot_index = torch.stack([
         torch.arange((1 + i * blocks_per_seq) * BLOCK, (1 + i * blocks_per_seq) * BLOCK + CONTEXT + 1) for i in range(batch)
     ]).cuda()
-    group = DecodeGroup(rows=torch.arange(batch, device="cuda"), slot_index=slot_index,
-                        kv_lens=torch.full((batch,), CONTEXT + 1, device="cuda"), rows_are_all=True)
-    return AttentionMetadata(kv_cache=kv_cache, slots=slot_index[:, -1].contiguous(), num_tokens=batch,
-                             decode=group, prefills=[])
+    group = DecodeGroup.build(list(range(batch)), [CONTEXT + 1] * batch, slot_index, num_tokens=batch)
+    return AttentionMetadata(kv_cache=kv_cache, slots=slot_index[:, -1].contiguous(), decode=group, prefills=[],
+                             backend=backend)
 
 
 def time_steps(step, steps: int) -> float:
@@ -91,13 +90,13 @@ def time_steps(step, steps: int) -> float:
 
 
 def measure(lm, head, graphs: DecodeGraphs, kv_cache: PagedKVCache, batch: int, steps: int) -> dict:
-    meta = decode_meta(kv_cache, batch)
+    meta = decode_meta(kv_cache, graphs.backend, batch)
     embeds = torch.randn(batch, lm.config.hidden_size, dtype=torch.bfloat16, device="cuda")
     positions = torch.full((3, 1, batch), CONTEXT, device="cuda")
 
     def eager():
-        meta._masks.clear()
-        meta.__dict__.pop(STATE_ATTR, None)  # re-plan every step, as serving does
+        meta.clear_masks()
+        meta.backend.plan(meta)  # re-plan every step, as serving does
         hidden = lm(inputs_embeds=embeds[None], position_ids=positions, attn_metadata=meta,
                     use_cache=False).last_hidden_state[0]
         return head(hidden).argmax(-1)
@@ -118,8 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench.py needs a CUDA device")
-    backend = "flashinfer" if "flashinfer" in BACKENDS else "torch"
-    model = build_model(backend)
+    backend = "flashinfer" if flashinfer_available() else "torch"
+    model = build_model()
     lm, head = model.model.language_model, model.lm_head
     text = model.config.text_config
     spec = KVCacheSpec(text.num_hidden_layers, text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
@@ -127,7 +126,7 @@ def main() -> None:
     blocks = 2 + max(BATCHES) * ((CONTEXT + 1 + BLOCK - 1) // BLOCK)
     kv_cache = PagedKVCache(spec, blocks, "cuda")
     runner = SimpleNamespace(language_model=lm, text_config=text, dtype=torch.bfloat16, device=torch.device("cuda"),
-                             kv_cache=kv_cache)
+                             kv_cache=kv_cache, position_rows=3, attention=make_backend(backend))
     weight_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
     weight_bytes += head.weight.numel() * head.weight.element_size()
     bandwidth = copy_bandwidth()

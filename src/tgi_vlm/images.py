@@ -36,7 +36,7 @@ def decode_image(data: bytes, limits: InputLimits) -> Image.Image:
             width, height = image.size
             if width * height > limits.max_image_pixels:
                 raise ImageError(
-                    f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_image_pixels}"
+                    f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_image_pixels} pixels"
                 )
             if getattr(image, "is_animated", False):
                 image = next(ImageSequence.Iterator(image))  # first frame of a GIF/APNG/WebP animation

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tgi_vlm.config import DEFAULT_CUDA_GRAPHS, EngineConfig
-from tgi_vlm.layers.attention import BACKENDS, register_attention
+from tgi_vlm.layers.attention import flashinfer_available, make_backend
 from tgi_vlm.models.cuda_graphs import DecodeGraphs, graph_max_kv_len
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_request
@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-needs_flashinfer = pytest.mark.skipif("flashinfer" not in BACKENDS, reason="flashinfer is not installed")
+needs_flashinfer = pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed")
 
 IMG = png_bytes(make_test_image(20, 20, seed=1))
 PROMPTS = [("Look at ", IMG, " and describe it"), ("just text, no picture",), (IMG, " what is this"),
@@ -77,7 +77,7 @@ def test_graph_decode_gives_the_eager_tokens_and_transformers_tokens(arch):
     from tests.models.vlm_reference import hf_reference
 
     model = _load(arch, size="tiny", attention="torch", dtype="float32")
-    register_attention("torch")
+    assert model.attention.name == "torch"
     eager, _ = _generate(model)
     counting = _Counting(_with_graphs(model))
     model.graphs = counting
@@ -92,7 +92,7 @@ def test_graph_decode_gives_the_eager_tokens_and_transformers_tokens(arch):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
 def test_flashinfer_graph_decode_gives_the_flashinfer_eager_tokens(arch):
     model = _load(arch, size="bench", attention="flashinfer", dtype="bfloat16")  # head_dim 64
-    register_attention("flashinfer")
+    assert model.attention.name == "flashinfer"
     eager, _ = _generate(model)
     model.graphs = _with_graphs(model)
     graphed, _ = _generate(model)
@@ -104,13 +104,11 @@ def test_flashinfer_graph_decode_gives_the_flashinfer_eager_tokens(arch):
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
 def test_flashinfer_and_torch_logits_agree_in_bf16(arch):
     model = _load(arch, size="bench", attention="flashinfer", dtype="bfloat16")
-    try:
-        register_attention("torch")
-        ref_tokens, ref_logits = _generate(model)
-        register_attention("flashinfer")
-        tokens, logits = _generate(model)
-    finally:
-        register_attention("flashinfer")
+    flashinfer = model.attention
+    model.attention = make_backend("torch", flashinfer.pattern)  # the backend is the model's own object
+    ref_tokens, ref_logits = _generate(model)
+    model.attention = flashinfer
+    tokens, logits = _generate(model)
     for rid in ref_tokens:
         same = next((i for i, (a, b) in enumerate(zip(tokens[rid], ref_tokens[rid])) if a != b), len(tokens[rid]))
         for step in range(same + 1 if same < len(tokens[rid]) else same):

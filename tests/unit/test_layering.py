@@ -1,0 +1,44 @@
+"""The package's layers import downward only (docs/architecture.md): a lower layer reaching up
+into a higher one, or run-time code importing the test fixtures, fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "tgi_vlm"
+
+FORBIDDEN = {
+    "generation": ("tgi_vlm.models", "tgi_vlm.server", "tgi_vlm.router", "tgi_vlm.testing", "tgi_vlm.layers"),
+    "layers": ("tgi_vlm.models", "tgi_vlm.server", "tgi_vlm.router", "tgi_vlm.testing", "tgi_vlm.generation"),
+    "models": ("tgi_vlm.server", "tgi_vlm.router", "tgi_vlm.testing"),
+    "router": ("tgi_vlm.testing", "tgi_vlm.server"),
+    "images.py": ("tgi_vlm.models", "tgi_vlm.router", "tgi_vlm.testing", "tgi_vlm.server"),
+    "blocks.py": ("tgi_vlm.",),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def files_of(part: str) -> list[Path]:
+    target = SRC / part
+    return [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_no_import_runs_upward(part):
+    files = files_of(part)
+    assert files, f"{part} has no modules: the rule checks nothing"
+    upward = [f"{f.relative_to(SRC)} imports {m}" for f in files for m in sorted(imported_modules(f))
+              if m.startswith(FORBIDDEN[part])]
+    assert upward == []
