@@ -34,8 +34,8 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
 def _log_inert_switches(config: EngineConfig) -> None:
     """TGI's launcher sets these for every shard; say plainly what they do here."""
     if config.prefix_caching:
-        logger.warning("PREFIX_CACHING is set but this shard has no prefix cache yet: Info answers "
-                       "use_prefix_caching=false, so the router sends no cached prefixes (cache_len > 0 is refused)")
+        logger.info("PREFIX_CACHING is set: text models answer Info.use_prefix_caching=true; VLMs answer false "
+                    "(TGI's router keys prefixes on token ids, blind to images). Every cache_len is verified.")
     if config.request_logprobs:
         logger.info("REQUEST_LOGPROBS is set: nothing to switch on, prefill logprobs are always served "
                     "to requests that ask for them")

@@ -22,6 +22,7 @@ from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache
 from tgi_vlm.models import intake
 from tgi_vlm.models.intake import TokenizedPrompt
 from tgi_vlm.models.outputs import OutputBuilder
+from tgi_vlm.models.prefix_cache import BlockRecords
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.step import SeqWindow, StepInputs, build_step, schedule
 from tgi_vlm.models.types import Generation, ShardModel, StepTimings
@@ -137,6 +138,7 @@ class FlashCausalLM(ShardModel):
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
         self.pool: BlockPool | None = None
+        self.block_records = BlockRecords(config.block_size)  # what each KV block holds (cache_len checks)
         # TGI's vocabulary: our torch backend is paged attention ("paged"); flashinfer is itself.
         self.attention_impl = "flashinfer" if config.attention == "flashinfer" else "paged"
         self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
@@ -159,12 +161,18 @@ class FlashCausalLM(ShardModel):
         """Rows of position ids per token (3 for multimodal rotary)."""
         return 1
 
+    @property
+    def router_prefix_caching(self) -> bool:
+        """Info.use_prefix_caching: whether TGI's router may send cache_len (PREFIX_CACHING)."""
+        return self.config.prefix_caching
+
     # ----- KV cache -----
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = None  # drop the old tensors before making new ones
         self.graphs = None  # captured graphs point at the old cache tensors
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
         self.pool = BlockPool(num_blocks)
+        self.block_records = BlockRecords(self.config.block_size)
 
     def ensure_kv_cache(self) -> None:
         if self.kv_cache is None:
@@ -233,12 +241,14 @@ class FlashCausalLM(ShardModel):
         start = time.perf_counter_ns()
         sizes = schedule(batch.seqs, self.prefill_budget)
         step = build_step(batch.seqs, sizes, self.kv_cache, self.attention, self.device)
+        self.block_records.forget_written(step.windows)  # before the forward: a failed one leaves no stale record
         with torch.inference_mode():
             hidden = self.forward(batch, step)  # [T, H]
             forward_done = time.perf_counter_ns()
             self.record_prefill_logprobs(step, hidden)
             for w in step.windows:
                 w.seq.advance(w.num_tokens)
+            self.block_records.record_completed(step.windows)
             generations = self.sample(step, hidden)
         self.after_step(batch, step)
         end = time.perf_counter_ns()
@@ -328,7 +338,7 @@ class FlashCausalLM(ShardModel):
             window_size=None,
             speculate=0,
             support_chunking=self.config.prefill_chunking,
-            use_prefix_caching=False,
+            use_prefix_caching=self.router_prefix_caching,
             attention_impl=self.attention_impl,
             block_size=self.config.block_size,
         )

@@ -19,6 +19,7 @@ from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.generation import IncrementalDetokenizer, StoppingCriteria, TokenChooser, validate_parameters
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.pb import generate_pb2
+from tgi_vlm.prefix_hash import ImageRef
 
 if TYPE_CHECKING:
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
@@ -61,6 +62,7 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         slots = [slots[i % len(slots)] for i in range(needed_slots)]
     try:
         check_slots(rid, slots, needed_slots, len(ids), stopping.max_new_tokens, model.kv_cache.num_slots)
+        cached_keys = check_cached_prefix(model, request, prompt, slots) if request.cache_len else []
     except InvalidRequest:
         if owns:
             model.pool.free(block_table)
@@ -77,8 +79,11 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         detokenizer=IncrementalDetokenizer(model.tokenizer, list(ids)),
         block_table=block_table,
         slot_tensor=torch.tensor(slots[:needed_slots], dtype=torch.long, device=model.device),
+        slot_list=list(slots[:needed_slots]),
         owns_blocks=owns,
         mm=prompt.mm,
+        num_computed=request.cache_len,  # verified: those positions' K/V are already in the cache
+        block_keys=cached_keys,
         first_chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
         prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens,
@@ -93,10 +98,14 @@ def check_request(model: FlashCausalLM, request: generate_pb2.Request, prompt_le
     problems = validate_parameters(request.parameters, stopping, model.vocab_size)
     if problems:
         raise InvalidRequest(rid, "; ".join(problems))
-    if request.cache_len:
-        # Info says use_prefix_caching=false, so nothing is cached to reuse: trusting cache_len would
-        # attend over stale slots (and skip its images' encoding).
-        raise InvalidRequest(rid, f"cache_len={request.cache_len} but prefix caching is not enabled on this shard")
+    if request.cache_len and request.prefill_logprobs:
+        # The cached positions were computed by another request: their logprobs are not here (TGI's
+        # router never looks up requests that want prefill logprobs).
+        raise InvalidRequest(rid, f"cache_len={request.cache_len} with prefill_logprobs: prompt logprobs need "
+                                  "the whole prompt computed; send cache_len=0")
+    if request.cache_len >= prompt_len:
+        raise InvalidRequest(rid, f"cache_len={request.cache_len} leaves nothing to compute of a "
+                                  f"{prompt_len}-token prompt (at most {prompt_len - 1})")
     if model.max_total_tokens and prompt_len + stopping.max_new_tokens > model.max_total_tokens:
         raise InvalidRequest(
             rid,
@@ -117,6 +126,19 @@ def check_slots(rid: int, slots: list[int], needed: int, prompt_len: int, max_ne
     highest = max(slots[:needed])
     if highest >= num_slots:
         raise InvalidRequest(rid, f"slot {highest} is outside the KV cache ({num_slots} slots)")
+
+
+def check_cached_prefix(model: FlashCausalLM, request: generate_pb2.Request, prompt: TokenizedPrompt,
+                        slots: list[int]) -> list[bytes]:
+    """A `cache_len` claim, verified against the shard's block records (models/prefix_cache.py)."""
+    cache_len = request.cache_len
+    groups = prompt.mm.group_ids if prompt.mm is not None else None
+    if groups is not None and groups[cache_len - 1] >= 0 and groups[cache_len] == groups[cache_len - 1]:
+        # Earlier tokens of a bidirectional block attended to its later ones when they were cached.
+        raise InvalidRequest(request.id, f"cache_len={cache_len} ends inside a bidirectional attention block "
+                                         "(an image or the prefix); the prefix must end at its boundary")
+    refs = [ImageRef(s.offset, s.length, s.content_hash) for s in prompt.images]
+    return model.block_records.verify_claim(request.id, prompt.ids, refs, slots, cache_len)
 
 
 def claim_slots(model: FlashCausalLM, request: generate_pb2.Request, total: int) -> tuple[list[int], bool, list[int]]:

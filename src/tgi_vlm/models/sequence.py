@@ -24,6 +24,7 @@ import torch
 
 from tgi_vlm.generation import FinishReason, IncrementalDetokenizer, StoppingCriteria, TokenChooser
 from tgi_vlm.models.image_spans import ImageSpan
+from tgi_vlm.prefix_hash import ImageRef
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Sequence:
     # [max positions] long, on the model's device: cache slot of every position the request may
     # write (router-given `slots`, or derived from the server-allocated block table).
     slot_tensor: torch.Tensor
+    slot_list: list[int]  # the same slots on the host (block records, no device reads)
     owns_blocks: bool  # blocks came from the server's pool and go back to it
     mm: MultimodalState | None = None  # None for text-only models
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -80,6 +82,8 @@ class Sequence:
     prefill_logprob_values: list[float] = field(default_factory=list)  # accumulated across chunks
     prefill_reported: bool = False
     finished: bool = False
+    # Content keys of the full blocks computed so far (prefix_hash.block_keys), prompt and generated.
+    block_keys: list[bytes] = field(default_factory=list)
 
     # ----- queries -----
     @property
@@ -101,6 +105,10 @@ class Sequence:
     @property
     def images(self) -> list[ImageSpan]:
         return self.mm.images if self.mm is not None else []
+
+    @property
+    def image_refs(self) -> list[ImageRef]:
+        return [ImageRef(s.offset, s.length, s.content_hash) for s in self.images]
 
     @property
     def images_pending(self) -> bool:

@@ -50,6 +50,14 @@ class VlmCausalLM(FlashCausalLM):
     def position_rows(self) -> int:
         return self.adapter.position_rows
 
+    @property
+    def router_prefix_caching(self) -> bool:
+        # TGI's router keys its radix tree on token ids only, and every image expands to the same
+        # placeholder ids: two requests with different images would be offered each other's blocks.
+        # So, as TGI, never for VLMs; the shard still accepts (verified) cache_len from our
+        # image-aware driver, which does not need Info's permission.
+        return False
+
     # ----- requests (vlm_intake.py) -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
         parts, images, digests = prompt_parts(request, self.config.limits)
