@@ -252,8 +252,9 @@ class FlashCausalLM(ShardModel):
                 f"needs {needed_slots} KV slots ({len(ids)} prompt tokens + max_new_tokens {stopping.max_new_tokens} - 1) "
                 f"but the router gave {len(slots)}",
             )
-        if max(slots[:needed_slots]) >= self.kv_cache.num_slots:
-            raise InvalidRequest(rid, f"slot {max(slots)} is outside the KV cache ({self.kv_cache.num_slots} slots)")
+        highest = max(slots[:needed_slots])  # every position the request will write, not only the prompt's
+        if highest >= self.kv_cache.num_slots:
+            raise InvalidRequest(rid, f"slot {highest} is outside the KV cache ({self.kv_cache.num_slots} slots)")
         return Sequence(
             request_id=rid,
             all_ids=list(ids),
