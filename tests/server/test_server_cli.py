@@ -55,6 +55,27 @@ def test_serve_accepts_every_flag_the_launcher_passes(served):
     assert (config.engine.dtype, config.engine.revision, config.engine.trust_remote_code) == ("bfloat16", "abc", True)
 
 
+@pytest.fixture
+def loaded(monkeypatch) -> list:
+    """(model_id, keyword arguments) of each get_model call made by `serve`: the server loop is replaced by
+    a single call of its model factory, get_model by a recorder."""
+    import tgi_vlm.models
+    import tgi_vlm.server.serve
+
+    calls: list = []
+    monkeypatch.setattr(tgi_vlm.models, "get_model", lambda model_id, config, **kwargs: calls.append((model_id, kwargs)))
+    monkeypatch.setattr(tgi_vlm.server.serve, "serve", lambda config, factory: factory(config))
+    return calls
+
+
+@pytest.mark.parametrize(("flags", "trusted"), [([], False), (["--trust-remote-code"], True)])
+def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags, trusted):
+    result = invoke("serve", "/models/m", *flags)
+    assert result.exit_code == 0, result.output
+    ((model_id, kwargs),) = loaded
+    assert model_id == "/models/m" and kwargs["trust_remote_code"] is trusted
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
