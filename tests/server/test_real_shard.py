@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,9 @@ LAUNCHER_ENV = {
     "TGI_VLM_CPU_KV_CACHE_GB": str(KV_CACHE_GB), "TGI_VLM_DEVICE": "cpu",
 }  # fmt: skip
 # Prompts used for parity with transformers greedy (EOS neither stops nor is masked on either side).
+# The shard runs this checkout's package, not wherever an installed console script's import path points.
+CHECKOUT_PYTHONPATH = os.pathsep.join(
+    p for p in (str(Path(__file__).parents[2] / "src"), os.environ.get("PYTHONPATH")) if p)
 PROMPTS = ["hello world this is", "numbers 1 2 3 and 4", "the quick brown fox jumps over the lazy dog and then some more words"]
 
 
@@ -67,7 +71,8 @@ def shard():
     with open(stdout_path, "w") as stdout:
         process = subprocess.Popen(
             [str(script), "serve", str(model_dir), "--uds-path", base, "--logger-level", "INFO", "--json-output"],
-            env={**os.environ, **LAUNCHER_ENV}, stdout=stdout, stderr=subprocess.DEVNULL,
+            env={**os.environ, **LAUNCHER_ENV, "PYTHONPATH": CHECKOUT_PYTHONPATH}, stdout=stdout,
+            stderr=subprocess.DEVNULL, umask=0,  # the socket must be owner-only whatever the launcher's umask
         )
     channel = None
     try:
@@ -163,6 +168,17 @@ def test_the_router_startup_sequence(shard):
     num_blocks = int(KV_CACHE_GB * (1 << 30)) // bytes_per_block
     assert (warmup.max_supported_total_tokens, warmup.max_input_tokens, warmup.max_total_tokens) == (
         num_blocks * BLOCK_SIZE, 32, 64)
+
+
+def test_the_socket_is_owner_only_although_the_shard_started_with_umask_0(shard):
+    mode = os.stat(shard.socket_path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, oct(mode)
+
+
+def test_the_shard_runs_this_checkout(shard):
+    records = [json.loads(line) for line in shard.stdout_path.read_text().splitlines() if line.strip()]
+    started = [r["record"]["file"]["path"] for r in records if "Server started" in r["record"]["message"]]
+    assert started and Path(started[0]).is_relative_to(Path(__file__).parents[2] / "src"), started
 
 
 def test_a_generation_session_with_every_rpc_matches_transformers(shard, reference):

@@ -55,6 +55,27 @@ def test_serve_accepts_every_flag_the_launcher_passes(served):
     assert (config.engine.dtype, config.engine.revision, config.engine.trust_remote_code) == ("bfloat16", "abc", True)
 
 
+@pytest.fixture
+def loaded(monkeypatch) -> list:
+    """(model_id, keyword arguments) of each get_model call made by `serve`: the server loop is replaced by
+    a single call of its model factory, get_model by a recorder."""
+    import tgi_vlm.models
+    import tgi_vlm.server.serve
+
+    calls: list = []
+    monkeypatch.setattr(tgi_vlm.models, "get_model", lambda model_id, config, **kwargs: calls.append((model_id, kwargs)))
+    monkeypatch.setattr(tgi_vlm.server.serve, "serve", lambda config, factory: factory(config))
+    return calls
+
+
+@pytest.mark.parametrize(("flags", "trusted"), [([], False), (["--trust-remote-code"], True)])
+def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags, trusted):
+    result = invoke("serve", "/models/m", *flags)
+    assert result.exit_code == 0, result.output
+    ((model_id, kwargs),) = loaded
+    assert model_id == "/models/m" and kwargs["trust_remote_code"] is trusted
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
@@ -91,11 +112,27 @@ def test_serve_refuses_an_unknown_logger_level(served):
     assert result.exit_code == 1 and "LOUD" in result.output
 
 
-@pytest.mark.parametrize("model_id", ["../etc", "org/../x", "/models/../../etc"])
+# The rule is a `..` path component, anywhere (README: "model ids with a `..` path component").
+@pytest.mark.parametrize("model_id", ["../etc", "org/../x", "/models/../../etc", "..", "../", "a/..", "./..", "~/../x"])
 def test_model_ids_with_parent_directory_components_are_refused(model_id, served):
     for command in ("download-weights", "serve"):
         result = invoke(command, model_id)
         assert result.exit_code == 1 and "contains '..'" in result.output
+    assert served == []
+
+
+# Dots that are not a whole component are names, not a way out of a directory.
+@pytest.mark.parametrize("model_id", ["a..b", "org/model..v2", "/models/v1..2/m", "org/...", "..a/b", "org/b.."])
+def test_model_ids_with_dots_inside_a_component_are_served(model_id, served, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda **kwargs: str(model_dir(tmp_path, "config.json", "model.safetensors")))
+    result = invoke("serve", model_id)
+    assert result.exit_code == 0, result.output
+    assert [config.model_id for config in served] == [model_id]
+    result = invoke("download-weights", model_id)
+    assert "contains '..'" not in result.output and (result.exit_code == 0 or "does not exist" in result.output)
 
 
 def test_download_weights_accepts_a_local_directory_with_config_and_safetensors(tmp_path):

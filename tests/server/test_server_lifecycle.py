@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).parents[2]
 # holds the first forward for a while so SIGTERM arrives while it is in flight.
 SHARD_SCRIPT = """
 import os, sys, threading
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2] + "/src", sys.argv[2]]  # this checkout's tgi_vlm and tests
 from tests.server.fake_model import FakeModel
 from tgi_vlm.config import ServerConfig
 from tgi_vlm.server.serve import serve
@@ -120,3 +120,38 @@ def test_the_harness_socket_is_owner_only():
             assert stat.S_IMODE(os.stat(shard.config.socket_path()).st_mode) == 0o600
 
     run(scenario)
+
+
+def test_the_socket_is_owner_only_from_the_moment_it_is_bound_even_under_umask_0(short_dir, monkeypatch):
+    """No window in which another user could connect: the socket is 0600 when bound, before any chmod,
+    however permissive the process umask (0 here: a socket bound without care would be 0777). The
+    process umask is restored afterwards."""
+    config = ServerConfig(model_id="fake", uds_path=f"{short_dir}/s")
+    path = config.socket_path()
+    before_chmod: list[int] = []
+    real_chmod = os.chmod
+
+    def chmod(target, mode, *args, **kwargs):
+        if os.fspath(target) == path:
+            before_chmod.append(stat.S_IMODE(os.stat(path).st_mode))
+        return real_chmod(target, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    previous = os.umask(0)
+    try:
+        async def scenario():
+            server, service = await start_server(config, FakeModel())
+            try:
+                umask_after = os.umask(0)
+                final = stat.S_IMODE(os.stat(path).st_mode)
+                assert stat.S_ISSOCK(os.stat(path).st_mode)
+                assert (before_chmod or [final])[0] == 0o600, "the socket was group/world accessible when bound"
+                assert final == 0o600
+                assert umask_after == 0, "start_server left its umask on the process"
+            finally:
+                await server.stop(None)
+                service.close()
+
+        run(scenario)
+    finally:
+        os.umask(previous)
