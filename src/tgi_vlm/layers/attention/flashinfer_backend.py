@@ -17,8 +17,9 @@ lazily at the first layer that needs a key; under CUDA graphs `prepare_for_captu
 `prepare_for_replay` plan every key seen so far on per-size wrappers with fixed buffers, outside
 the graph, and the captured layers only `run`.
 
-Chunked attention (Llama4) and float32 are not expressed here; such layers use the torch
-reference. flashinfer is imported lazily, so this module imports on CPU machines.
+Chunked attention (Llama4), attention-logit softcapping (Gemma2) and float32 are not expressed
+here; such layers use the torch reference. flashinfer is imported lazily, so this module imports
+on CPU machines.
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ class FlashinferAttention:
         self._graph: dict[tuple[int, PlanKey], object] = {}  # (size, key) → decode wrapper with fixed buffers
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                 sliding_window=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
+                 sliding_window=None, softcap=None, attn_metadata: AttentionMetadata | None = None, **kwargs):
         if attn_metadata is None:
             raise RuntimeError("tgi_vlm paged attention called without attn_metadata (use the engine's forward)")
         meta = attn_metadata
-        if attention_chunk_size(module) or query.dtype not in SUPPORTED_DTYPES:
+        if attention_chunk_size(module) or softcap is not None or query.dtype not in SUPPORTED_DTYPES:
             return torch_paged_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                         sliding_window, attn_metadata=meta, **kwargs)
+                                         sliding_window, softcap, attn_metadata=meta, **kwargs)
         k_cache, v_cache = meta.kv_cache.flat(module.layer_idx)  # [slots, Hkv, D]
         k_cache.index_copy_(0, meta.slots, key[0].transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slots, value[0].transpose(0, 1).to(v_cache.dtype))
