@@ -260,6 +260,61 @@ def test_penalties_and_watermark_change_only_their_own_request(engine):
     assert r.tokens[2] != alone  # the settings do act, on their own request
 
 
+# ----- logit_bias -------------------------------------------------------------------------------
+
+
+def test_a_large_logit_bias_makes_greedy_choose_that_token_every_step(engine, hf):
+    natural = reference(hf, prompt_ids(hf, SHORT), 6)
+    target = next(t for t in range(engine.vocab_size - 1, 0, -1) if t not in natural and t not in engine.special_ids)
+    r = generate(engine, make_request(1, SHORT, max_new_tokens=6, logit_bias={str(target): 100}))
+    assert r.tokens[1] == [target] * 6
+    for raw, generation in zip(r.logits[1], r.generations[1]):  # logprobs are of the biased scores, as TGI's
+        biased = raw.clone()
+        biased[target] += 100
+        assert generation.tokens.logprobs == pytest.approx([torch.log_softmax(biased, -1)[target].item()], abs=1e-5)
+
+
+def test_logit_bias_matches_transformers_sequence_bias_and_stays_in_its_request(engine, hf):
+    ids = prompt_ids(hf, PROMPT)
+    natural = reference(hf, ids, 8)
+    # Ban the first two natural choices, favour two more tokens a little: the output changes but not to one token.
+    bias = {natural[0]: -100, natural[1]: -100, natural[2]: 2, 20: 3}
+    with torch.inference_mode():
+        out = hf[0].generate(
+            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8, eos_token_id=None, do_sample=False,
+            sequence_bias={(token,): float(b) for token, b in bias.items()},
+            output_logits=True, output_scores=True, return_dict_in_generate=True,
+        )
+    expected = out.sequences[0, len(ids):].tolist()
+    assert expected != natural and len(set(expected)) > 1
+
+    r = generate(engine, make_request(1, PROMPT, max_new_tokens=8, logit_bias={str(t): b for t, b in bias.items()}),
+                 make_request(2, PROMPT, max_new_tokens=8))
+    assert r.tokens[1] == expected
+    assert r.tokens[2] == natural  # the unbiased neighbour is untouched
+    for step in range(8):
+        torch.testing.assert_close(r.logits[1][step], out.logits[step][0], atol=1e-4, rtol=0)  # raw logits
+        chosen_logprob = torch.log_softmax(out.scores[step][0], -1)[expected[step]].item()  # processed scores
+        assert r.generations[1][step].tokens.logprobs[0] == pytest.approx(chosen_logprob, abs=1e-4)
+
+
+def test_logit_bias_keys_must_be_token_ids_in_the_vocabulary(engine):
+    requests = [
+        make_request(4, SHORT, max_new_tokens=2, logit_bias={"5": 1}),
+        make_request(5, SHORT, max_new_tokens=2, logit_bias={"hello": 1}),
+        make_request(6, SHORT, max_new_tokens=2, logit_bias={str(engine.vocab_size): -5}),
+    ]
+    with pytest.raises(InvalidBatch) as caught:
+        engine.batch_from_pb(make_batch(1, requests))
+    assert [str(e) for e in caught.value.errors] == [
+        "request 5: logit_bias key 'hello' is not a token id (a non-negative decimal integer)",
+        f"request 6: logit_bias key '{engine.vocab_size}' is outside the vocabulary "
+        f"(token ids 0..{engine.vocab_size - 1})",
+    ]
+    assert engine.kv_blocks_in_use == 0
+
+
 # ----- truncation -------------------------------------------------------------------------------
 
 

@@ -73,3 +73,21 @@ def test_custom_mask_applies_the_sliding_window_to_decode_rows():
 def test_backend_is_absent_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flashinfer_available() is False
+
+
+def test_softcapped_layers_fall_back_to_the_torch_reference():
+    """flashinfer plans no logit softcap, so a Gemma2 layer must not reach it (here: it would need CUDA)."""
+    from tgi_vlm.layers.attention import FlashinferBackend, TorchPagedBackend
+
+    def step():
+        cache = PagedKVCache(KVCacheSpec(1, 1, 4, BS, torch.bfloat16), 16, "cpu")
+        span = PrefillSpan(q_start=0, q_end=3, kv_len=3, slot_index=_slots([7], 3))
+        return AttentionMetadata(kv_cache=cache, slots=_slots([7], 3), decode=None, prefills=[span])
+
+    q, k, v = (torch.randn(1, h, 3, 4, generator=torch.Generator().manual_seed(h)).bfloat16() for h in (2, 1, 1))
+    args = dict(scaling=0.5, sliding_window=None)
+    ours = FlashinferBackend().forward(0, q, k, v, step(), softcap=1.0, **args)
+    ref = TorchPagedBackend().forward(0, q, k, v, step(), softcap=1.0, **args)
+    uncapped = TorchPagedBackend().forward(0, q, k, v, step(), **args)
+    torch.testing.assert_close(ours, ref)
+    assert not torch.allclose(ours, uncapped)

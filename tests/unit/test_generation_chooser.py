@@ -35,6 +35,24 @@ def test_warpers_penalties_and_watermark_each_leave_the_plain_path() -> None:
     assert chooser(top_p=1.0, typical_p=1.0, temperature=1.0).is_greedy_plain
 
 
+def test_logit_bias_leaves_the_plain_path_but_stays_greedy() -> None:
+    c = chooser(logit_bias={"4": 1})
+    assert not c.is_greedy_plain and not c.do_sample
+    assert chooser(logit_bias={}).is_greedy_plain
+
+
+def test_greedy_with_logit_bias_picks_and_reports_the_biased_scores() -> None:
+    """TGI: the choice and the reported logprobs come from the processed (biased) scores."""
+    logits = step_logits(2, rows=2)
+    target = int(logits[0].argmin())
+    chosen = choose_tokens(logits, [chooser(logit_bias={str(target): 100}), chooser()], [[1], [1]])
+    biased = logits[0].clone()
+    biased[target] += 100
+    assert chosen.ids == [target, int(logits[1].argmax())]
+    torch.testing.assert_close(chosen.logprob_rows[0], torch.log_softmax(biased, -1))
+    torch.testing.assert_close(chosen.logprob_rows[1], torch.log_softmax(logits[1], -1))
+
+
 def test_seed_is_kept_as_given() -> None:
     assert chooser(do_sample=True, seed=0).seed == 0
     assert chooser(do_sample=True, seed=2**63 + 5).seed == 2**63 + 5

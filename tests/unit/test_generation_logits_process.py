@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import (
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -12,6 +13,7 @@ from transformers import (
 
 from tgi_vlm.generation.logits_process import (
     WATERMARK_HASH_KEY,
+    LogitBias,
     LogitsPipeline,
     Watermark,
     apply_frequency_penalty,
@@ -125,6 +127,47 @@ def test_pipeline_applies_tgi_order_and_leaves_input_untouched() -> None:
     expected = apply_top_p(apply_top_k(apply_temperature(expected, 0.8), 20), 0.9)
     torch.testing.assert_close(pipeline(scores, history.tolist()), expected)
     assert torch.equal(scores, original)
+
+
+def test_logit_bias_adds_each_value_at_its_token_and_nothing_elsewhere() -> None:
+    scores = random_scores()
+    original = scores.clone()
+    out = LogitBias([(3, 5.0), (0, -100.0), (VOCAB - 1, 2.0), (3, 1.0)], "cpu")(scores)  # 3 twice: 6.0
+    expected = original.clone()
+    expected[:, 3] += 6.0
+    expected[:, 0] -= 100.0
+    expected[:, VOCAB - 1] += 2.0
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)  # (x + 5) + 1 vs x + 6: rounding only
+    assert torch.equal(out[:, 4 : VOCAB - 1], original[:, 4 : VOCAB - 1])
+    assert torch.equal(scores, original)
+    one_row = LogitBias([(3, 5.0)], "cpu")(scores[1])
+    assert one_row[3] == original[1, 3] + 5.0
+    assert torch.equal(one_row[4:], original[1, 4:]) and torch.equal(one_row[:3], original[1, :3])
+
+
+def test_logit_bias_matches_transformers_single_token_sequence_bias() -> None:
+    scores, history = random_scores(), random_history()
+    pairs = [(5, 3.0), (17, -10.0), (40, 0.5)]
+    expected = SequenceBiasLogitsProcessor([[[t], b] for t, b in pairs])(history, scores.clone())
+    assert torch.equal(LogitBias(pairs, "cpu")(scores), expected)
+
+
+def test_logit_bias_comes_after_the_penalties_and_before_the_warpers() -> None:
+    """TGI's NextTokenChooser: watermark, repetition, frequency, (grammar,) logit bias, then warpers."""
+    scores, history = random_scores(1)[0], random_history(1)[0]
+    seen = int(history[0])
+    bias = LogitBias([(seen, 4.0), (int(scores.argmin()), 9.0)], "cpu")
+    watermark = Watermark(0.5, 2.0, "cpu")
+    pipeline = LogitsPipeline(
+        watermark=watermark, repetition_penalty=1.5, frequency_penalty=0.5, logit_bias=bias, temperature=0.5
+    )
+    expected = watermark(scores, int(history[-1]))
+    expected = apply_frequency_penalty(apply_repetition_penalty(expected, history, 1.5), history, 0.5)
+    expected = apply_temperature(bias(expected), 0.5)
+    torch.testing.assert_close(pipeline(scores, history.tolist()), expected)
+    assert not LogitsPipeline(logit_bias=bias).is_identity
+    assert not LogitsPipeline(logit_bias=bias).needs_history
+    torch.testing.assert_close(LogitsPipeline(logit_bias=bias)(scores), bias(scores))
 
 
 def test_pipeline_with_neutral_settings_is_identity() -> None:

@@ -78,3 +78,27 @@ def test_set_values_are_kept() -> None:
         True,
     )
     assert p.has_warpers
+
+
+def test_logit_bias_keys_that_are_token_ids_in_the_vocabulary_are_valid() -> None:
+    assert problems(logit_bias={"0": 5, str(VOCAB - 1): -100, "+3": 1, "007": 2}) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("hello", "logit_bias key 'hello' is not a token id (a non-negative decimal integer)"),
+        ("-1", "logit_bias key '-1' is not a token id (a non-negative decimal integer)"),
+        (" 5", "logit_bias key ' 5' is not a token id (a non-negative decimal integer)"),
+        ("", "logit_bias key '' is not a token id (a non-negative decimal integer)"),
+        ("1.0", "logit_bias key '1.0' is not a token id (a non-negative decimal integer)"),
+        (str(VOCAB), f"logit_bias key '{VOCAB}' is outside the vocabulary (token ids 0..{VOCAB - 1})"),
+    ],
+)
+def test_each_bad_logit_bias_key_is_named(key: str, message: str) -> None:
+    assert problems(logit_bias={key: 1, "2": 1}) == [message]
+
+
+def test_logit_bias_reads_as_sorted_id_bias_pairs_summing_keys_of_the_same_id() -> None:
+    params = NextTokenChooserParameters(logit_bias={"9": -100, "7": 2, "07": 3})
+    assert SamplingParameters.from_params(params).logit_bias == ((7, 5.0), (9, -100.0))

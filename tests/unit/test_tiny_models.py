@@ -96,12 +96,12 @@ def _llama4_output_fix() -> contextlib.AbstractContextManager:
 
 def test_archs_are_the_text_archs_then_the_vlm_archs():
     assert set(ARCHS) == set(TEXT_ARCHS) | set(VLM_ARCHS)
-    assert set(TEXT_ARCHS) == {"llama", "qwen2"}
+    assert set(TEXT_ARCHS) == {"llama", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "gpt2"}
     assert set(VLM_ARCHS) == set(IMAGE_TOKENS)
 
 
 def test_unknown_arch_is_a_value_error_listing_the_known_ones(tmp_path: Path):
-    with pytest.raises(ValueError, match="llama, qwen2, qwen2_vl"):
+    with pytest.raises(ValueError, match="llama, qwen2, mistral, .*gpt2, qwen2_vl"):
         build_tiny_model("gpt9", tmp_path)
 
 

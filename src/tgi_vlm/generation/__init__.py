@@ -3,7 +3,7 @@ incremental detokenization and reported logprobs. Pure PyTorch; no gRPC here."""
 
 from tgi_vlm.generation.chooser import ChosenTokens, TokenChooser, choose_tokens
 from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, token_texts
-from tgi_vlm.generation.logits_process import LogitsPipeline, Watermark
+from tgi_vlm.generation.logits_process import LogitBias, LogitsPipeline, Watermark
 from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
 from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters
 from tgi_vlm.generation.stopping import FinishReason, StoppingCriteria
@@ -12,6 +12,7 @@ __all__ = [
     "ChosenTokens",
     "FinishReason",
     "IncrementalDetokenizer",
+    "LogitBias",
     "LogitsPipeline",
     "SamplingParameters",
     "StoppingCriteria",

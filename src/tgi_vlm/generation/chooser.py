@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tgi_vlm.generation.logits_process import LogitsPipeline, Watermark
+from tgi_vlm.generation.logits_process import LogitBias, LogitsPipeline, Watermark
 from tgi_vlm.generation.parameters import SamplingParameters
 
 
@@ -34,6 +34,7 @@ class TokenChooser:
             watermark=watermark,
             repetition_penalty=sampling.repetition_penalty,
             frequency_penalty=sampling.frequency_penalty,
+            logit_bias=LogitBias(sampling.logit_bias, device) if sampling.logit_bias else None,
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
@@ -66,7 +67,8 @@ class TokenChooser:
 
     @property
     def is_greedy_plain(self) -> bool:
-        """True when the choice is argmax of the raw logits and the logprobs are theirs."""
+        """True when the choice is argmax of the raw logits and the logprobs are theirs (no
+        penalty, watermark, logit bias or warper changes the scores)."""
         return not self.do_sample and self.pipeline.is_identity
 
     def process(self, scores: torch.Tensor, history: Sequence[int]) -> torch.Tensor:

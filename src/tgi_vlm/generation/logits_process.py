@@ -1,8 +1,9 @@
 """Per-request logits processors.
 
-Applied in TGI's order: watermark, repetition penalty, frequency penalty, then the warpers
-temperature, top-k, top-p, typical-p. Each function takes `scores` [V] or [B, V] (rows that share
-these settings) and returns a new tensor; the caller's logits are never modified in place.
+Applied in TGI's order: watermark, repetition penalty, frequency penalty, logit bias, then the
+warpers temperature, top-k, top-p, typical-p. Each function takes `scores` [V] or [B, V] (rows
+that share these settings) and returns a new tensor; the caller's logits are never modified in
+place.
 `history` is the request's token ids so far (prompt + generated), [L] or [B, L].
 The warpers reproduce transformers' `*LogitsWarper` classes (filter value -inf).
 """
@@ -62,6 +63,21 @@ class Watermark:
         return boosted
 
 
+class LogitBias:
+    """Per-token additive bias (TGI's `LogitBiasProcessor`, OpenAI's `logit_bias`): scores[id] += bias.
+
+    Built once per request from (token id, bias) pairs; ids repeated in `pairs` add up.
+    """
+
+    def __init__(self, pairs: Sequence[tuple[int, float]], device: torch.device | str) -> None:
+        self.ids = torch.tensor([token for token, _ in pairs], dtype=torch.long, device=device)
+        self.values = torch.tensor([bias for _, bias in pairs], dtype=torch.float32, device=device)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        values = self.values.to(scores.dtype).expand(*scores.shape[:-1], -1)  # one copy per row
+        return scores.index_add(-1, self.ids, values)
+
+
 def apply_temperature(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     return scores / temperature
 
@@ -99,6 +115,7 @@ class LogitsPipeline:
     watermark: Watermark | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    logit_bias: LogitBias | None = None
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -110,7 +127,7 @@ class LogitsPipeline:
 
     @property
     def is_identity(self) -> bool:
-        return not self.needs_history and not self.has_warpers
+        return not self.needs_history and self.logit_bias is None and not self.has_warpers
 
     @property
     def has_warpers(self) -> bool:
@@ -122,6 +139,8 @@ class LogitsPipeline:
             if len(history) == 0:
                 raise ValueError("penalties and watermarking need at least one token of history")
             scores = self._penalize(scores, history)
+        if self.logit_bias is not None:
+            scores = self.logit_bias(scores)
         return self._warp(scores)
 
     def _penalize(self, scores: torch.Tensor, history: Sequence[int]) -> torch.Tensor:

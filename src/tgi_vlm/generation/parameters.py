@@ -2,14 +2,21 @@
 
 Proto3 sends unset floats as 0.0, so 0 means "off" for every knob here (as TGI reads them):
 temperature 0 → 1.0, top_k 0 → off, top_p/typical_p 0 or 1.0 → off, repetition_penalty 0 → 1.0,
-frequency_penalty 0 → off.
+frequency_penalty 0 → off, an empty logit_bias map → off.
+
+`logit_bias` (field 12, `map<string, int32>`) is keyed by token ids written in decimal, as TGI's
+router sends them; a key is valid when it parses as TGI's router parses it (Rust's `u32`: ASCII
+digits, an optional leading `+`) and names a token of the model's vocabulary.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
+
+_TOKEN_ID = re.compile(r"\+?[0-9]+")
 
 _FLOAT_FIELDS = ("temperature", "top_p", "typical_p", "repetition_penalty", "frequency_penalty")
 
@@ -27,6 +34,7 @@ class SamplingParameters:
     watermark: bool = False
     do_sample: bool = False
     seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id; () = off
 
     @classmethod
     def from_params(cls, params: Any) -> SamplingParameters:
@@ -41,6 +49,7 @@ class SamplingParameters:
             watermark=bool(params.watermark),
             do_sample=bool(params.do_sample),
             seed=int(params.seed),
+            logit_bias=_logit_bias(params),
         )
 
     @property
@@ -64,6 +73,35 @@ def validate_parameters(params: Any, stopping: Any, vocab_size: int) -> list[str
         problems.append("stop_sequences must not contain an empty string")
     if params.grammar:
         problems.append("grammar-constrained generation is not supported yet")
+    problems += _logit_bias_problems(params, vocab_size)
+    return problems
+
+
+def parse_token_id(key: str) -> int | None:
+    """A logit_bias key as a token id, or None when it is not a decimal id (TGI router's rule)."""
+    return int(key) if _TOKEN_ID.fullmatch(key) else None
+
+
+def _logit_bias(params: Any) -> tuple[tuple[int, float], ...]:
+    """Validated keys → (id, bias) pairs. Keys naming the same id ("7", "07") add up, as in TGI."""
+    bias = getattr(params, "logit_bias", None) or {}
+    summed: dict[int, float] = {}
+    for key, value in bias.items():
+        token = parse_token_id(key)
+        if token is None:
+            raise ValueError(f"logit_bias key {key!r} is not a token id; validate_parameters first")
+        summed[token] = summed.get(token, 0.0) + float(value)
+    return tuple(sorted(summed.items()))
+
+
+def _logit_bias_problems(params: Any, vocab_size: int) -> list[str]:
+    problems = []
+    for key in sorted(getattr(params, "logit_bias", None) or {}):
+        token = parse_token_id(key)
+        if token is None:
+            problems.append(f"logit_bias key {key!r} is not a token id (a non-negative decimal integer)")
+        elif token >= vocab_size:
+            problems.append(f"logit_bias key {key!r} is outside the vocabulary (token ids 0..{vocab_size - 1})")
     return problems
 
 

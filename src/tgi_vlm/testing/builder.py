@@ -42,7 +42,7 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
     The directory holds config.json, model.safetensors (float32), generation_config.json, the
     tokenizer files and, for vision-language models, the processor files; it reloads with
     `AutoProcessor` + `AutoModelForImageTextToText` (VLMs) or `AutoTokenizer` +
-    `AutoModelForCausalLM` (llama, qwen2). The same `arch`, `size` and `seed` give the same files.
+    `AutoModelForCausalLM` (TEXT_ARCHS). The same `arch`, `size` and `seed` give the same files.
 
     Sizes (parameter counts as built; the tokenizer is trained on a seeded generated corpus):
       - "tiny": text 64 wide, 2 layers, 4 query / 2 KV heads of 16, MLP 128, vision towers 32

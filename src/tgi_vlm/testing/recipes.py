@@ -12,9 +12,12 @@ from typing import Any
 
 from transformers import (
     CLIPVisionConfig,
+    Gemma2Config,
     Gemma3Config,
     Gemma3ImageProcessor,
     Gemma3Processor,
+    Gemma3TextConfig,
+    GPT2Config,
     Idefics2Config,
     Idefics2ImageProcessor,
     Idefics2Processor,
@@ -28,8 +31,10 @@ from transformers import (
     LlavaNextConfig,
     LlavaNextImageProcessor,
     LlavaNextProcessor,
+    MistralConfig,
     PaliGemmaConfig,
     PaliGemmaProcessor,
+    Phi3Config,
     PreTrainedConfig,
     PreTrainedTokenizerFast,
     ProcessorMixin,
@@ -125,6 +130,13 @@ def _qwen_tokens(**extra: str) -> TokenizerSpec:
     return TokenizerSpec(named=named, extra=extra, other=("<|im_start|>", "<|im_end|>"), add_bos_token=False)
 
 
+# GPT-2 has one special token, for BOS, EOS and (here) padding; it adds no BOS to prompts.
+_GPT2_TOKENS = TokenizerSpec(
+    named={"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    add_bos_token=False,
+)
+
+
 def _gemma_tokens(**extra: str) -> TokenizerSpec:
     named = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"}
     return TokenizerSpec(named=named, extra=extra, other=("<start_of_turn>", "<end_of_turn>"))
@@ -139,6 +151,69 @@ def _llama_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
 
 def _qwen2_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return Qwen2Config(**_text(tok, s))
+
+
+def _text_window(s: Sizes) -> int:
+    # A quarter of the VLM window (8 at tiny size): shorter than the parity prompts, so it masks.
+    return s.window // 4
+
+
+def _mistral_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
+    return MistralConfig(**_text(tok, s, sliding_window=_text_window(s)))
+
+
+def _alternating_layers(s: Sizes) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s.layers)]
+
+
+def _gemma2_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
+    # Small caps and a query scale that is not head_dim**-0.5, so each one changes the logits.
+    return Gemma2Config(
+        **_text(
+            tok,
+            s,
+            query_pre_attn_scalar=2 * s.head_dim,
+            sliding_window=_text_window(s),
+            layer_types=_alternating_layers(s),
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    )
+
+
+def _gemma3_text_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
+    # Gemma3's text stack alone (Gemma3ForCausalLM): q/k norms, a local rope base on sliding
+    # layers, no softcapping (transformers' Gemma3 attention never passes it on).
+    return Gemma3TextConfig(
+        **_text(
+            tok,
+            s,
+            query_pre_attn_scalar=2 * s.head_dim,
+            sliding_window=_text_window(s),
+            layer_types=_alternating_layers(s),
+        )
+    )
+
+
+def _phi3_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
+    # Fused qkv_proj and gate_up_proj; rotary on half of each head (Phi-4-mini style).
+    return Phi3Config(**_text(tok, s, partial_rotary_factor=0.5))
+
+
+def _gpt2_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
+    # Learned absolute position embeddings, LayerNorm, fused c_attn (Conv1D), no GQA.
+    return GPT2Config(
+        vocab_size=len(tok),
+        n_positions=1024,  # GPT-2's own; 4096 would make wpe most of the tiny model
+        n_embd=s.hidden,
+        n_layer=s.layers,
+        n_head=s.heads,
+        n_inner=s.intermediate,
+        initializer_range=s.initializer_range,
+        tie_word_embeddings=False,
+        **_ids(tok),
+    )
 
 
 # ---- Qwen2-VL / Qwen2.5-VL -------------------------------------------------------------------
@@ -464,6 +539,11 @@ def _llama4_processor(tok: Tok, s: Sizes) -> ProcessorMixin:
 RECIPES: dict[str, Recipe] = {
     "llama": Recipe(_llama_tokens(), _llama_config),
     "qwen2": Recipe(_qwen_tokens(), _qwen2_config),
+    "mistral": Recipe(_sp_tokens(), _mistral_config),
+    "gemma2": Recipe(_gemma_tokens(), _gemma2_config),
+    "gemma3_text": Recipe(_gemma_tokens(), _gemma3_text_config),
+    "phi3": Recipe(_llama_tokens(), _phi3_config),
+    "gpt2": Recipe(_GPT2_TOKENS, _gpt2_config),
     "qwen2_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_vl_config, _qwen2_vl_processor),
     "qwen2_5_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_5_vl_config, _qwen2_5_vl_processor),
     "llava_next": Recipe(_sp_tokens(image_token="<image>"), _llava_next_config, _llava_next_processor),
