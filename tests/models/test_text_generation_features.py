@@ -265,7 +265,7 @@ def test_penalties_and_watermark_change_only_their_own_request(engine):
 
 def test_a_large_logit_bias_makes_greedy_choose_that_token_every_step(engine, hf):
     natural = reference(hf, prompt_ids(hf, SHORT), 6)
-    target = next(t for t in range(engine.vocab_size - 1, 0, -1) if t not in natural and t not in engine.special_ids)
+    target = next(t for t in range(engine.vocab_size - 1, 0, -1) if t not in natural and t not in engine.outputs.special_ids)
     r = generate(engine, make_request(1, SHORT, max_new_tokens=6, logit_bias={str(target): 100}))
     assert r.tokens[1] == [target] * 6
     for raw, generation in zip(r.logits[1], r.generations[1]):  # logprobs are of the biased scores, as TGI's
@@ -332,10 +332,10 @@ def test_truncate_longer_than_the_input_changes_nothing(engine, hf):
     assert r.tokens[1] == r.tokens[2] == reference(hf, ids, 6)
 
 
-def test_cache_len_is_refused_while_prefix_caching_is_off(engine):
-    """Info reports use_prefix_caching=false; a cache_len would make us attend over stale KV slots."""
+def test_a_cache_len_the_shard_cannot_verify_is_refused(engine):
+    """Trusting it would attend over whatever the slots hold (tests/models/test_prefix_caching.py has the rest)."""
     request = make_request(3, SHORT, max_new_tokens=2)
     request.cache_len = 2
-    with pytest.raises(InvalidBatch, match="request 3: cache_len=2 but prefix caching is not enabled"):
+    with pytest.raises(InvalidBatch, match="request 3: cache_len=2 ends in a partial block"):
         engine.batch_from_pb(make_batch(1, [request]))
     assert engine.kv_blocks_in_use == 0
