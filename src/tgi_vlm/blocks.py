@@ -19,9 +19,11 @@ def slots_from_blocks(blocks: list[int], block_size: int, num_tokens: int | None
     return slots if num_tokens is None else slots[:num_tokens]
 
 
-def tokens_to_reserve(input_len: int, max_new_tokens: int) -> int:
-    """Positions a request may write: the last generated token is never fed back (TGI v3's rule)."""
-    return max(input_len + max_new_tokens - 1, 1)
+def tokens_to_reserve(input_len: int, max_new_tokens: int, speculate: int = 0) -> int:
+    """Slots TGI v3's router gives a request: the last generated token is never fed back, and a
+    speculating shard gets `speculate` more (queue.rs). Our shard needs no more than
+    input_len + max_new_tokens - 1 (its drafts never pass that position), but accepts extra."""
+    return max(input_len + max_new_tokens + speculate - 1, 1)
 
 
 class BlockPool:

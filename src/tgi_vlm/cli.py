@@ -57,8 +57,8 @@ def unsupported_features(config: ServerConfig, quantize: Optional[str], speculat
     if quantize:
         problems.append(f"--quantize {quantize} is not supported (no quantized kernels); "
                         "serve the unquantized checkpoint")
-    if speculate:
-        problems.append(f"--speculate {speculate} is not supported (no speculative decoding); drop the flag")
+    if speculate is not None and speculate < 0:
+        problems.append(f"--speculate {speculate} must be >= 0 (draft tokens per step)")
     if kv_cache_dtype:
         problems.append(f"--kv-cache-dtype {kv_cache_dtype} is not supported; the KV cache uses the model dtype")
     if config.lora_adapters:
@@ -104,7 +104,7 @@ def serve(
     try:
         # Only now: reading the device imports torch.
         engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
-                                       trust_remote_code=trust_remote_code)
+                                       trust_remote_code=trust_remote_code, speculate=speculate or 0)
     except ValueError as exc:
         _fail(str(exc))
     run_server(dataclasses.replace(config, engine=engine))

@@ -85,6 +85,7 @@ class EngineConfig:
     # CPU has no "free memory" to size the KV cache from: a byte budget instead.
     cpu_kv_cache_bytes: int = 1 << 30
     request_logprobs: bool = False
+    speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     trust_remote_code: bool = False

@@ -6,10 +6,14 @@ from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, t
 from tgi_vlm.generation.logits_process import LogitBias, LogitsPipeline, Watermark
 from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
 from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters
+from tgi_vlm.generation.speculative import Drafter, NgramDrafter, accepts
 from tgi_vlm.generation.stopping import FinishReason, StoppingCriteria
 
 __all__ = [
     "ChosenTokens",
+    "Drafter",
+    "NgramDrafter",
+    "accepts",
     "FinishReason",
     "IncrementalDetokenizer",
     "LogitBias",

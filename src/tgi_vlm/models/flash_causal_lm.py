@@ -17,11 +17,11 @@ from loguru import logger
 from tgi_vlm.blocks import BlockPool
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.errors import InvalidArgument, InvalidBatch, InvalidRequest
-from tgi_vlm.generation import choose_tokens, prefill_logprobs, top_n
+from tgi_vlm.generation import NgramDrafter, accepts, choose_tokens, prefill_logprobs, top_n
 from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache, make_backend
 from tgi_vlm.models import intake
 from tgi_vlm.models.intake import TokenizedPrompt
-from tgi_vlm.models.outputs import OutputBuilder
+from tgi_vlm.models.outputs import EmittedToken, OutputBuilder
 from tgi_vlm.models.prefix_cache import BlockRecords
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.step import SeqWindow, StepInputs, build_step, schedule
@@ -145,6 +145,8 @@ class FlashCausalLM(ShardModel):
         # Test/debug hook: called as observer(request_ids, logits[B, V]) with every sampled step's logits.
         self.logits_observer = None
         self.graphs = None  # DecodeGraphs (models/cuda_graphs.py) once warmup captured them; tied to kv_cache
+        self.drafter = NgramDrafter() if config.speculate else None
+        self.speculation = SpeculationStats()
 
     # ----- what the model is (subclasses answer through their adapter) -----
     def find_language_model(self) -> torch.nn.Module:
@@ -239,17 +241,23 @@ class FlashCausalLM(ShardModel):
     # ----- the step -----
     def generate_token(self, batch: FlashCausalLMBatch) -> tuple[list[Generation], FlashCausalLMBatch | None, StepTimings]:
         start = time.perf_counter_ns()
-        sizes = schedule(batch.seqs, self.prefill_budget)
-        step = build_step(batch.seqs, sizes, self.kv_cache, self.attention, self.device)
-        self.block_records.forget_written(step.windows)  # before the forward: a failed one leaves no stale record
-        with torch.inference_mode():
-            hidden = self.forward(batch, step)  # [T, H]
-            forward_done = time.perf_counter_ns()
-            self.record_prefill_logprobs(step, hidden)
-            for w in step.windows:
-                w.seq.advance(w.num_tokens)
-            self.block_records.record_completed(step.windows)
-            generations = self.sample(step, hidden)
+        self.propose_drafts(batch.seqs)
+        try:
+            sizes = schedule(batch.seqs, self.prefill_budget)
+            step = build_step(batch.seqs, sizes, self.kv_cache, self.attention, self.device)
+            self.block_records.forget_written(step.windows)  # before the forward: a failed one leaves no stale record
+            with torch.inference_mode():
+                hidden = self.forward(batch, step)  # [T, H]
+                forward_done = time.perf_counter_ns()
+                self.record_prefill_logprobs(step, hidden)
+                for w in step.windows:
+                    if not w.seq.draft:  # a verified run advances by what it accepted (in sample)
+                        w.seq.advance(w.num_tokens)
+                generations = self.sample(step, hidden)
+                self.block_records.record_completed(step.windows)
+        finally:
+            for seq in batch.seqs:
+                seq.draft = []
         self.after_step(batch, step)
         end = time.perf_counter_ns()
         timings = StepTimings(forward_ns=forward_done - start, decode_ns=end - forward_done, total_ns=end - start)
@@ -257,6 +265,14 @@ class FlashCausalLM(ShardModel):
             batch.release()
             return generations, None, timings
         return generations, batch, timings
+
+    def propose_drafts(self, seqs: list[Sequence]) -> None:
+        """Speculation (`--speculate N`): up to N draft tokens for every decoding sequence."""
+        if self.drafter is None:
+            return
+        for seq in seqs:
+            if not seq.finished and not seq.prefilling:
+                seq.draft = self.drafter.propose(seq.all_ids, min(self.config.speculate, seq.max_draft))
 
     def forward(self, batch: FlashCausalLMBatch, step: StepInputs) -> torch.Tensor:
         embeds = self.embed_step(batch, step)  # [T, H]
@@ -303,26 +319,39 @@ class FlashCausalLM(ShardModel):
                 seq.prefill_logprob_values.extend(prefill_logprobs(logits, seq.all_ids[start + 1 : end + 1]))
 
     def sample(self, step: StepInputs, hidden: torch.Tensor) -> list[Generation]:
-        """Choose the next token of every window that reached the end of its sequence."""
+        """Choose the next token of every window that reached the end of its sequence; with drafts,
+        keep choosing from the following rows while each chosen token equals the next draft
+        (generation/speculative.py: the emitted tokens are exactly the non-speculative ones)."""
         samplers: list[SeqWindow] = [w for w in step.windows if w.samples]
-        if not samplers:
-            return []
-        last_rows = torch.tensor([w.row + w.num_tokens - 1 for w in samplers], device=hidden.device)
-        logits = self.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
-        if self.logits_observer is not None:
-            self.logits_observer([w.seq.request_id for w in samplers], logits)
-        chosen = choose_tokens(logits, [w.seq.chooser for w in samplers], [w.seq.all_ids for w in samplers])
-        generations = []
-        for i, w in enumerate(samplers):
-            seq = w.seq
-            top = None
-            if seq.top_n_tokens and chosen.logprob_rows is not None:
-                top = top_n(chosen.logprob_rows[i], seq.top_n_tokens)
-            prefill_values = seq.take_prefill_logprobs()
-            new_text, reason = seq.append_token(chosen.ids[i])
-            generations.append(self.outputs.generation(seq, chosen.ids[i], chosen.logprobs[i], new_text, reason,
-                                                       top, prefill_values))
-        return generations
+        first_rows = [w.first_sample_row for w in samplers]
+        emitted: list[list[EmittedToken]] = [[] for _ in samplers]
+        reasons = [None] * len(samplers)
+        prefill_values = [w.seq.take_prefill_logprobs() for w in samplers]
+        active, level = list(range(len(samplers))), 0
+        while active:
+            rows = torch.tensor([first_rows[i] + level for i in active], device=hidden.device)
+            logits = self.compute_logits(hidden[rows])[:, : self.vocab_size]  # [B, V]
+            seqs = [samplers[i].seq for i in active]
+            if self.logits_observer is not None:
+                self.logits_observer([s.request_id for s in seqs], logits)
+            chosen = choose_tokens(logits, [s.chooser for s in seqs], [s.all_ids for s in seqs])
+            still = []
+            for j, (i, seq) in enumerate(zip(active, seqs)):
+                token = chosen.ids[j]
+                top = None
+                if seq.top_n_tokens and chosen.logprob_rows is not None:
+                    top = top_n(chosen.logprob_rows[j], seq.top_n_tokens)
+                text, reasons[i] = seq.append_token(token)
+                emitted[i].append(EmittedToken(token, chosen.logprobs[j], text, top))
+                if reasons[i] is None and accepts(seq.draft, level, token):
+                    still.append(i)
+            active, level = still, level + 1
+        for w, tokens in zip(samplers, emitted):
+            if w.seq.draft:
+                w.seq.advance(len(tokens))  # rows 0..len-1 held the last token and the accepted drafts
+                self.speculation.record(len(w.seq.draft), len(tokens) - 1)
+        return [self.outputs.generation(w.seq, tokens, reason, values)
+                for w, tokens, reason, values in zip(samplers, emitted, reasons, prefill_values)]
 
     # ----- warmup and info -----
     def warmup(self, request: generate_pb2.WarmupRequest) -> tuple[int | None, int, int]:
@@ -336,12 +365,33 @@ class FlashCausalLM(ShardModel):
             dtype=str(self.dtype).removeprefix("torch."),
             device_type=self.device.type,
             window_size=None,
-            speculate=0,
+            speculate=self.config.speculate,
             support_chunking=self.config.prefill_chunking,
             use_prefix_caching=self.router_prefix_caching,
             attention_impl=self.attention_impl,
             block_size=self.config.block_size,
         )
+
+
+class SpeculationStats:
+    """Drafted and accepted tokens since start (logged every LOG_EVERY verified runs)."""
+
+    LOG_EVERY = 200
+
+    def __init__(self):
+        self.runs = self.drafted = self.accepted = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.runs += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.runs % self.LOG_EVERY == 0:
+            logger.info("speculation: {} verified runs, acceptance {:.1%}, {:.2f} tokens per run", self.runs,
+                        self.acceptance_rate, 1 + self.accepted / self.runs)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

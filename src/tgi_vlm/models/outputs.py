@@ -6,6 +6,8 @@ only state it touches is through the sequence's own transitions (`take_prefill_l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tgi_vlm.generation import FinishReason, token_texts
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.types import GeneratedText, Generation, Tokens
@@ -20,10 +22,10 @@ class OutputBuilder:
         return Tokens(ids=list(ids), logprobs=list(logprobs), texts=texts,
                       is_special=[i in self.special_ids for i in ids])
 
-    def generation(self, seq: Sequence, token_id: int, logprob: float, new_text: str,
-                   reason: FinishReason | None, top: tuple[list[int], list[float]] | None,
+    def generation(self, seq: Sequence, emitted: list[EmittedToken], reason: FinishReason | None,
                    prefill_values: list[float] | None) -> Generation:
-        """The Generation for `token_id`, already appended to `seq` (see Sequence.append_token)."""
+        """The Generation for this step's tokens of `seq` (already appended, see Sequence.append_token):
+        one token, or several when speculation accepted drafts; top-n per token, as TGI zips them."""
         prefill_tokens = None
         if prefill_values is not None:
             prompt = seq.all_ids[: seq.prompt_len]
@@ -36,14 +38,20 @@ class OutputBuilder:
                 finish_reason=reason,
                 seed=seq.chooser.seed if seq.chooser.do_sample else None,
             )
-        top_tokens = []
-        if top is not None:
-            ids, lps = top
-            top_tokens = [self.tokens(ids, lps, token_texts(self.tokenizer, ids))]
+        top_tokens = [self.tokens(e.top[0], e.top[1], token_texts(self.tokenizer, e.top[0]))
+                      for e in emitted if e.top is not None]
         return Generation(
             request_id=seq.request_id,
             prefill_tokens=prefill_tokens,
-            tokens=self.tokens([token_id], [logprob], [new_text]),
+            tokens=self.tokens([e.id for e in emitted], [e.logprob for e in emitted], [e.text for e in emitted]),
             generated_text=generated,
             top_tokens=top_tokens,
         )
+
+
+@dataclass(frozen=True)
+class EmittedToken:
+    id: int
+    logprob: float
+    text: str
+    top: tuple[list[int], list[float]] | None = None

@@ -84,6 +84,9 @@ class Sequence:
     finished: bool = False
     # Content keys of the full blocks computed so far (prefix_hash.block_keys), prompt and generated.
     block_keys: list[bytes] = field(default_factory=list)
+    # Speculation: draft tokens fed after the last token in the current step (set before scheduling,
+    # cleared after the step). Their K/V are written but only the accepted ones are ever `advance`d over.
+    draft: list[int] = field(default_factory=list)
 
     # ----- queries -----
     @property
@@ -101,6 +104,15 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         return self.prompt_len + self.max_new_tokens
+
+    @property
+    def max_draft(self) -> int:
+        """Drafts that fit: the last token a request may emit is never fed back, so a draft row may
+        only use positions below prompt_len + max_new_tokens - 1 (the slots the router gave)."""
+        return max(0, self.max_new_tokens - len(self.generated_ids) - 1)
+
+    def tokens_with_draft(self) -> list[int]:
+        return self.all_ids + self.draft if self.draft else self.all_ids
 
     @property
     def images(self) -> list[ImageSpan]:

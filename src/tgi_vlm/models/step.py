@@ -24,13 +24,13 @@ from tgi_vlm.models.sequence import Sequence
 def schedule(seqs: list[Sequence], prefill_budget: int | None) -> list[int]:
     """Tokens each sequence feeds in the next forward (0 for finished ones).
 
-    A decoding sequence feeds 1. A prefilling one feeds the router's `chunk_len` on its first
+    A decoding sequence feeds 1, plus its draft tokens when speculating. A prefilling one feeds the router's `chunk_len` on its first
     prefill (the whole prompt when unset); later chunks share what the budget leaves after the
     decode tokens, in batch order, at least one token each so every sequence progresses.
     Pure: calling it twice gives the same answer (`to_pb` uses it for `current_tokens`).
     """
-    sizes = [0 if s.finished else (1 if not s.prefilling else -1) for s in seqs]
-    left = None if prefill_budget is None else prefill_budget - sum(1 for n in sizes if n == 1)
+    sizes = [0 if s.finished else (1 + len(s.draft) if not s.prefilling else -1) for s in seqs]
+    left = None if prefill_budget is None else prefill_budget - sum(n for n in sizes if n > 0)
     for i, seq in enumerate(seqs):
         if sizes[i] != -1:
             continue
@@ -60,7 +60,16 @@ class SeqWindow:
     @property
     def samples(self) -> bool:
         """The window reaches the end of the known tokens, so the step yields a new token."""
-        return self.end == len(self.seq.all_ids)
+        return self.end >= len(self.seq.all_ids)
+
+    @property
+    def first_sample_row(self) -> int:
+        """Row predicting the token after all_ids; later rows (drafts) verify one token each."""
+        return self.row + len(self.seq.all_ids) - 1 - self.start
+
+    @property
+    def sample_rows(self) -> int:
+        return self.end - len(self.seq.all_ids) + 1
 
 
 @dataclass
@@ -82,7 +91,7 @@ def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, b
             continue
         start = seq.num_computed
         windows.append(SeqWindow(seq, start, start + n, row))
-        ids.extend(seq.all_ids[start : start + n])
+        ids.extend(seq.tokens_with_draft()[start : start + n])
         positions.extend(range(start, start + n))
         row += n
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
@@ -110,6 +119,8 @@ def _decode_group(windows: list[SeqWindow], num_tokens: int) -> DecodeGroup | No
 def _prefill_span(window: SeqWindow) -> PrefillSpan:
     seq = window.seq
     groups = seq.mm.bidirectional_groups if seq.mm is not None else None
+    if groups is not None and groups.shape[0] < window.end:  # generated/draft rows are plain causal
+        groups = torch.cat([groups, groups.new_full((window.end - groups.shape[0],), -1)])
     return PrefillSpan(
         q_start=window.row,
         q_end=window.row + window.end - window.start,

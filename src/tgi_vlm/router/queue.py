@@ -28,12 +28,13 @@ class Entry:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     allocation: Allocation | None = None
     chunk_len: int | None = None
+    speculate: int = 0  # the shard's Info.speculate: TGI's router reserves that many more slots
     cancelled: bool = False
     done: bool = False
 
     @property
     def tokens_needed(self) -> int:
-        return tokens_to_reserve(self.input_len, self.params.max_new_tokens)
+        return tokens_to_reserve(self.input_len, self.params.max_new_tokens, self.speculate)
 
     def to_pb(self) -> pb.Request:
         return self.params.to_pb(self.id, self.allocation, self.chunk_len)

@@ -160,7 +160,8 @@ class Router:
     async def submit(self, params: RequestParams) -> Stream:
         """Queue a request; its events arrive on the returned stream (errors as a failed FinalEvent)."""
         await self._started.wait()
-        entry = Entry(id=next(self._ids), params=params, input_len=0, submitted=time.perf_counter())
+        entry = Entry(id=next(self._ids), params=params, input_len=0, submitted=time.perf_counter(),
+                      speculate=self.shard.info.speculate)
         try:
             entry.input_len = await asyncio.get_running_loop().run_in_executor(
                 self._counting, self.count_tokens, params.to_pb(entry.id))
