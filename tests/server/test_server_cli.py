@@ -80,7 +80,7 @@ def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags,
     ("args", "env", "message"),
     [
         (["--quantize", "awq"], {}, "--quantize awq is not supported"),
-        (["--speculate", "2"], {}, "--speculate 2 is not supported"),
+        (["--speculate", "-1"], {}, "--speculate -1 must be >= 0"),
         (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
         (["--lora-adapters", "a/b"], {}, "LoRA adapters (a/b) are not supported"),
         ([], {"LORA_ADAPTERS": "c/d"}, "LoRA adapters (c/d) are not supported"),
@@ -93,6 +93,14 @@ def test_serve_refuses_unsupported_features_with_exit_code_1(served, args, env, 
     assert result.exit_code == 1
     assert message in result.output
     assert served == []
+
+
+@pytest.mark.parametrize(("flags", "depth"), [([], 0), (["--speculate", "0"], 0), (["--speculate", "3"], 3)])
+def test_serve_passes_the_launchers_speculate_to_the_engine(served, flags, depth):
+    result = invoke("serve", "/models/m", *flags)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert config.engine.speculate == depth
 
 
 def test_serve_errors_are_json_records_with_json_output(served):

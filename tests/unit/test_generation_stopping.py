@@ -1,4 +1,4 @@
-"""StoppingCriteria: EOS, stop sequences and length, checked in that order."""
+"""StoppingCriteria: length, then EOS, then stop sequences (TGI's order)."""
 
 from tgi_vlm.generation import FinishReason
 from tgi_vlm.generation.stopping import StoppingCriteria
