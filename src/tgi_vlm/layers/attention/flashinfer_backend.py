@@ -88,7 +88,9 @@ class FlashinferBackend(AttentionBackend):
         self.keys: set[PlanKey] = set()  # every key seen; CUDA-graph plans cover all of them
         self._workspace: torch.Tensor | None = None
         self._eager: dict[tuple[bool, PlanKey], object] = {}  # (decode, key) → wrapper, reused across steps
-        self._graph: dict[tuple[int, PlanKey], object] = {}  # (size, key) → decode wrapper with fixed buffers
+        # (size, page capacity, key) → decode wrapper with fixed buffers; a re-capture with wider static
+        # inputs (a second Warmup, larger max_total_tokens) needs room for more pages than the old one had.
+        self._graph: dict[tuple[int, int, PlanKey], object] = {}
 
     def forward(self, layer_idx, query, key, value, meta: AttentionMetadata, *, scaling, sliding_window,
                 softcap=None) -> torch.Tensor:
@@ -186,10 +188,10 @@ class FlashinferBackend(AttentionBackend):
                 self._eager[index] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     workspace, "NHD", use_tensor_cores=True)
             return self._eager[index]
-        index = (graph_size, plan_key)
+        max_pages = graph_size * _pages(meta.decode.slot_index.shape[1], meta.kv_cache.spec.block_size)
+        index = (graph_size, max_pages, plan_key)
         if index not in self._graph:
             device = meta.slots.device
-            max_pages = graph_size * _pages(meta.decode.slot_index.shape[1], meta.kv_cache.spec.block_size)
             int32 = dict(dtype=torch.int32, device=device)
             self._graph[index] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,

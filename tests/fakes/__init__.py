@@ -1,0 +1,1 @@
+"""Stand-ins for optional native packages, injected by tests through `sys.modules`."""
