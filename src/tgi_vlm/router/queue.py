@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.allocator import Allocation, BlockAllocator, tokens_to_reserve
-from tgi_vlm.router.requests import Event, FinalEvent, RequestParams
+from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, Token
 
 
 @dataclass(eq=False)
@@ -30,6 +30,7 @@ class Entry:
     chunk_len: int | None = None
     cancelled: bool = False
     done: bool = False
+    prefill: tuple[Token, ...] = ()  # prompt tokens with logprobs, once the shard sent them
 
     @property
     def tokens_needed(self) -> int:

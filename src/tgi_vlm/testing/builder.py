@@ -25,7 +25,7 @@ TEXT_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if 
 VLM_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if recipe.is_vlm)
 
 # Bump when a build changes (recipes, sizes, tokenizer), so cached models are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: Qwen2-VL / Qwen2.5-VL carry a chat template
 
 CACHE_ENV = "TGI_VLM_TINY_CACHE"
 
@@ -62,6 +62,10 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
 
     tokenizer = build_tokenizer(recipe.tokenizer, seed=seed, num_merges=sizes.num_merges)
     processor = recipe.processor(tokenizer, sizes) if recipe.processor else None
+    if recipe.chat_template is not None:
+        tokenizer.chat_template = recipe.chat_template
+        if processor is not None:
+            processor.chat_template = recipe.chat_template
     config = recipe.config(tokenizer, sizes)  # after the processor: it may add tokens
     model = _random_model(config, is_vlm=recipe.is_vlm, seed=seed)
     model.generation_config = GenerationConfig(
