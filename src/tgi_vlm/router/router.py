@@ -81,6 +81,11 @@ class Stream:
     def request_id(self) -> int:
         return self.entry.id
 
+    def ready(self) -> bool:
+        """True when the next event is already queued: the router sends a request's last token and
+        its FinalEvent together, so a caller can attach the final to that token without waiting."""
+        return not self.entry.events.empty()
+
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
 

@@ -50,6 +50,12 @@ class TokenCounter:
     def count(self, request: pb.Request) -> int:
         return len(self.input_ids(request))
 
+    def offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
+        """(id, start, stop) per token of plain text, character offsets into `text` (TGI's /tokenize)."""
+        with self._lock:
+            encoding = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return [(i, start, stop) for i, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
     def input_ids(self, request: pb.Request) -> list[int]:
         """The prompt's token ids as the shard builds them (image placeholders expanded), truncated."""
         with self._lock:
