@@ -59,7 +59,8 @@ class ImageResolver:
 
     def __init__(self, limits: FetchLimits):
         self.limits = limits
-        self.client = httpx.AsyncClient(follow_redirects=True, timeout=limits.timeout_s)
+        # the whole fetch is bounded by `timeout_s` (wait_for); per-operation timeouts only back that up
+        self.client = httpx.AsyncClient(follow_redirects=True, timeout=limits.timeout_s + 5)
 
     async def close(self) -> None:
         await self.client.aclose()

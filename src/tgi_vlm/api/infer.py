@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tgi_vlm.api.errors import ApiError, generation_error, incomplete_generation, overloaded, validation_error
 from tgi_vlm.api.metrics import Metrics
 from tgi_vlm.api.schemas import Parameters
-from tgi_vlm.api.validation import ValidRequest, Validator
+from tgi_vlm.api.validation import Validator, ValidRequest
 from tgi_vlm.router.requests import FinalEvent, TokenEvent
 from tgi_vlm.router.router import Router, Stream
 

@@ -37,13 +37,19 @@ async def router_session(model_id: str, *, uds_path: str | None = None, shard_en
                          shard_args: Sequence[str] = (), config: RouterConfig | None = None,
                          wrap_client: Callable[[ShardClient], ShardClient] | None = None) -> AsyncIterator[Session]:
     """Yield a warmed-up router whose loop is running; on exit stop it and SIGTERM the shard we started."""
-    counter = await asyncio.to_thread(TokenCounter, model_id)
+    counting = asyncio.create_task(asyncio.to_thread(TokenCounter, model_id))  # loads while the shard starts
     socket = existing_socket(uds_path)
     shard = None
-    if socket is None:
-        shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env, extra_args=list(shard_args))
-        await asyncio.to_thread(shard.start)
-        socket = shard.socket
+    try:
+        if socket is None:
+            shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env, extra_args=list(shard_args))
+            await asyncio.to_thread(shard.start)
+            socket = shard.socket
+        counter = await counting
+    except BaseException:
+        if shard is not None:
+            await asyncio.to_thread(shard.stop)
+        raise
     client = ShardClient(socket)
     if wrap_client is not None:
         client = wrap_client(client)
