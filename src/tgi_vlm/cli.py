@@ -336,11 +336,17 @@ def bench(
     max_total_tokens: int = 2048,
     profile: Annotated[bool, typer.Option(help="Sample the shard with py-spy (if installed)")] = False,
     uds_path: Optional[str] = None,
+    url: Annotated[Optional[str], typer.Option(help="Send the workload to a running `tgi-vlm launch` (or TGI) at "
+                                                    "this URL, over HTTP, instead of driving a shard")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="API_KEY", help="Bearer token for --url")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Requests run their full length (off: greedy outputs may end "
+                                                  "at EOS; needed with --url, which has no ignore_eos)")] = True,
     out_dir: Path = Path("benchmarks/results"),
     name: Optional[str] = None,
     logger_level: str = "WARNING",
 ) -> None:
-    """Serving benchmark: a synthetic image+text workload through the router and shard, vs transformers."""
+    """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
+    running launch, --url), vs transformers."""
     import asyncio
 
     from rich.console import Console
@@ -352,9 +358,13 @@ def bench(
     from tgi_vlm.router.workload import WorkloadSpec, make_workload
 
     _setup_logging(logger_level, False)
+    if url and ignore_eos:
+        _fail("--url: TGI's HTTP API has no ignore_eos; add --no-ignore-eos (and use it for the direct run you "
+              "compare with, so both send the same requests)")
     spec = WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max, output_min,
-                        output_max, concurrency, rate, seed)
-    name = name or f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
+                        output_max, concurrency, rate, seed, ignore_eos)
+    name = name or (f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
+                     + ("-http" if url else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     items = make_workload(spec, TokenCounter(model_id).tokenizer)
     config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
@@ -364,15 +374,23 @@ def bench(
     progress_type = Progress if console.is_terminal else _PlainProgress
     with progress_type(console=console) as progress:
         task = progress.add_task("tgi-vlm", total=len(items))
-        serving = asyncio.run(b.run_serving(
-            model_id, items, spec, uds_path=uds_path, config=config,
-            profile_to=out_dir / f"{name}.pyspy.txt" if profile else None, progress=lambda: progress.advance(task)))
+        if url:
+            from tgi_vlm.api.bench import run_serving_http
+
+            serving = asyncio.run(run_serving_http(url.rstrip("/"), items, spec, api_key=api_key,
+                                                   progress=lambda: progress.advance(task)))
+        else:
+            serving = asyncio.run(b.run_serving(
+                model_id, items, spec, uds_path=uds_path, config=config,
+                profile_to=out_dir / f"{name}.pyspy.txt" if profile else None,
+                progress=lambda: progress.advance(task)))
         reference = None
         if hf:
             ref_task = progress.add_task("transformers", total=len(items))
             reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
                                         progress=lambda n: progress.advance(ref_task, n))
     report = b.summarize(spec, items, serving, reference, model_id)
+    report["transport"] = f"HTTP {url}" if url else "router driver"
     Console(width=140).print(b.result_table(report))
     for line in b.summary_lines(report):
         typer.echo(line)

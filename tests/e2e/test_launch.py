@@ -339,6 +339,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(launch):
     assert after["tgi_vlm_request_cancelled"] == before["tgi_vlm_request_cancelled"] + 1
 
 
+def test_a_client_that_gives_up_on_a_non_streaming_request_cancels_it(launch):
+    before = launch.metrics()
+    with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection when it gives up
+        httpx.post(f"{launch.url}/generate", headers=AUTH, timeout=httpx.Timeout(30, read=1.0),
+                   json={"inputs": markdown(IMAGE) + PROMPT, "parameters": {"max_new_tokens": 400}})
+    after = launch.wait_for_metric("tgi_vlm_request_cancelled", before["tgi_vlm_request_cancelled"] + 1)
+    assert after["tgi_vlm_request_cancelled"] == before["tgi_vlm_request_cancelled"] + 1
+    assert launch.wait_for_metric("tgi_vlm_kv_blocks_free", after["tgi_vlm_kv_blocks_total"])[
+        "tgi_vlm_kv_blocks_free"] == after["tgi_vlm_kv_blocks_total"]
+
+
 def test_past_max_concurrent_requests_new_requests_are_429_and_64_disconnects_free_everything(launch):
     prompt = {"inputs": "count the stars one by one", "parameters": {"max_new_tokens": 200}}
     solo = generate(launch, prompt["inputs"], max_new_tokens=40)
@@ -406,6 +417,21 @@ def test_metrics_count_requests_successes_and_failures_under_tgi_names(launch):
     assert delta == {"tgi_request_count": 2, "tgi_request_success": 1, 'tgi_request_failure{err="validation"}': 1,
                      "tgi_request_duration_count": 1, "tgi_request_generated_tokens_sum": 2}
     assert after['tgi_batch_inference_count{method="decode"}'] > before['tgi_batch_inference_count{method="decode"}']
+
+
+def test_bench_url_sends_its_workload_over_http_and_times_every_token(launch, model, tmp_path):
+    from typer.testing import CliRunner
+
+    from tgi_vlm.cli import app
+
+    result = CliRunner().invoke(app, ["bench", model, "--url", launch.url, "--api-key", KEY, "--no-ignore-eos",
+                                      "--no-hf", "--num-requests", "4", "--concurrency", "2", "--image-min", "28", "--image-max", "56",
+                                      "--prompt-max", "24", "--output-min", "2", "--output-max", "4",
+                                      "--out-dir", str(tmp_path), "--name", "http"])
+    assert result.exit_code == 0, result.output
+    report = __import__("json").loads((tmp_path / "http.json").read_text())
+    assert report["serving"]["failed"] == 0 and report["transport"] == f"HTTP {launch.url}"
+    assert report["serving"]["ttft_s"]["p50"] > 0 and report["serving"]["itl_s"]["p50"] > 0
 
 
 # ----- last: the shard dies -----------------------------------------------------------------------

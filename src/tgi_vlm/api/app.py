@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from tgi_vlm import __version__
+from tgi_vlm.api.disconnect import ClientGone
 from tgi_vlm.api.errors import ApiError, payload_too_large, validation_error
 from tgi_vlm.api.guards import Guards
 from tgi_vlm.api.routes import generate, openai, service
@@ -20,6 +21,7 @@ def build_app(state: ApiState) -> FastAPI:
     for module in (generate, openai, service):
         app.include_router(module.router)
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_middleware(Guards, api_key=state.config.api_key, payload_limit=state.config.payload_limit)
@@ -28,6 +30,10 @@ def build_app(state: ApiState) -> FastAPI:
 
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _client_gone(request: Request, error: ClientGone) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
 async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:

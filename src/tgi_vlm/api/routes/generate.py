@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tgi_vlm.api import sse
+from tgi_vlm.api.disconnect import unless_disconnected
 from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.responses import generate_response, stream_response
 from tgi_vlm.api.schemas import CompatGenerateRequest, GenerateRequest
@@ -24,7 +25,7 @@ def state_of(request: Request) -> ApiState:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
     state = state_of(request)
-    generation, valid = await state.infer.generate(body.inputs, body.parameters)
+    generation, valid = await unless_disconnected(request, state.infer.generate(body.inputs, body.parameters))
     headers = {"x-prompt-tokens": str(valid.input_length), "x-generated-tokens": str(generation.final.generated_tokens)}
     return JSONResponse(generate_response(generation, valid), headers=headers)
 
@@ -42,7 +43,7 @@ async def compat_generate(body: CompatGenerateRequest, request: Request) -> Resp
         body.parameters.return_full_text = not state.takes_images
     if body.stream:
         return sse.response(tgi_events(state, body))
-    generation, valid = await state.infer.generate(body.inputs, body.parameters)
+    generation, valid = await unless_disconnected(request, state.infer.generate(body.inputs, body.parameters))
     return JSONResponse([generate_response(generation, valid)])
 
 

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tgi_vlm.api import sse
+from tgi_vlm.api.disconnect import unless_disconnected
 from tgi_vlm.api.errors import ApiError, tool_error, validation_error
 from tgi_vlm.api.routes.generate import state_of
 from tgi_vlm.api.schemas import ChatRequest, CompletionRequest, Parameters
@@ -51,7 +52,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(chat_events(state, inputs, params, logprobs, usage))
-    generation, _ = await state.infer.generate(inputs, params, add_special_tokens=False)
+    generation, _ = await unless_disconnected(request, state.infer.generate(inputs, params, add_special_tokens=False))
     return JSONResponse(state.openai.chat_completion(generation, logprobs))
 
 
@@ -87,7 +88,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params = completion_parameters(body)
     if body.stream:
         return sse.response(completion_events(state, prompts, params))
-    results = await asyncio.gather(*[state.infer.generate(p, params) for p in prompts])
+    results = await unless_disconnected(request, asyncio.gather(*[state.infer.generate(p, params) for p in prompts]))
     return JSONResponse(state.openai.completion([generation for generation, _ in results]))
 
 
