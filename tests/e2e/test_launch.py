@@ -316,11 +316,15 @@ def test_image_urls_are_fetched_within_limits_and_refused_clearly_otherwise(laun
     assert not_an_image.status_code == 422 and not_an_image.json()["error_type"] == "validation"
 
 
-def test_a_body_past_the_payload_limit_is_413(launch):
+def test_a_body_past_the_payload_limit_is_413_with_or_without_a_content_length(launch):
+    expected = {"error": f"Failed to buffer the request body: length limit exceeded ({PAYLOAD_LIMIT} bytes, "
+                         "--payload-limit)", "error_type": "payload_limit"}
     response = post(launch, "/generate", {"inputs": "a" * PAYLOAD_LIMIT})
-    assert response.status_code == 413
-    assert response.json() == {"error": "Failed to buffer the request body: length limit exceeded "
-                                        f"({PAYLOAD_LIMIT} bytes, --payload-limit)", "error_type": "payload_limit"}
+    assert (response.status_code, response.json()) == (413, expected)
+    body = b'{"inputs": "' + b"a" * PAYLOAD_LIMIT + b'"}'
+    chunked = httpx.post(f"{launch.url}/generate", headers=AUTH, timeout=TIMEOUT,
+                         content=(body[i: i + 65536] for i in range(0, len(body), 65536)))  # no Content-Length
+    assert (chunked.status_code, chunked.json()) == (413, expected)
 
 
 # ----- load, cancellation, overload ---------------------------------------------------------------
