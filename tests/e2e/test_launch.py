@@ -198,13 +198,13 @@ def test_chat_with_an_image_gives_the_same_tokens_in_both_sdks_streamed_or_not_a
     assert [c.choices[0].logprobs.content[0].token for c in streamed] == want
 
 
-def test_the_raw_chat_stream_ends_with_the_literal_done_event(launch):
+def test_the_raw_chat_stream_ends_with_the_literal_done_event_and_echoes_the_model_name(launch):
     response = post(launch, "/v1/chat/completions", {"messages": chat_messages(IMAGE, PROMPT), "max_tokens": 2,
-                                                     "temperature": 0, "stream": True})
+                                                     "temperature": 0, "stream": True, "model": "my-vlm"})
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.text.endswith("data: [DONE]\n\n")
     events = sse_events(response)
-    assert [e["object"] for e in events[:-1]] == ["chat.completion.chunk"] * (len(events) - 1)
+    assert [(e["object"], e["model"]) for e in events[:-1]] == [("chat.completion.chunk", "my-vlm")] * (len(events) - 1)
 
 
 # ----- parameters ---------------------------------------------------------------------------------

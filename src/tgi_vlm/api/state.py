@@ -40,6 +40,10 @@ class ApiState:
         openai = OpenAiBodies(config.model_id, f"{__version__}-native")
         return cls(config, router, counter, lengths, images, metrics, infer, chat_template, openai)
 
+    def openai_for(self, model: str | None) -> OpenAiBodies:
+        """TGI echoes the request's `model` unless it is absent or "tgi"."""
+        return self.openai if model in (None, "tgi") else OpenAiBodies(model, self.openai.fingerprint)
+
     @property
     def takes_images(self) -> bool:
         return self.counter.prompt is not None

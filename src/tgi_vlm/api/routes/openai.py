@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from tgi_vlm.api import sse
 from tgi_vlm.api.disconnect import unless_disconnected
 from tgi_vlm.api.errors import ApiError, tool_error, validation_error
+from tgi_vlm.api.responses import OpenAiBodies
 from tgi_vlm.api.routes.generate import state_of
 from tgi_vlm.api.schemas import ChatRequest, CompletionRequest, Parameters
 from tgi_vlm.api.state import ApiState
@@ -51,19 +52,19 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     logprobs = bool(body.logprobs)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return sse.response(chat_events(state, inputs, params, logprobs, usage))
+        return sse.response(chat_events(state.openai_for(body.model), state, inputs, params, logprobs, usage))
     generation, _ = await unless_disconnected(request, state.infer.generate(inputs, params, add_special_tokens=False))
-    return JSONResponse(state.openai.chat_completion(generation, logprobs))
+    return JSONResponse(state.openai_for(body.model).chat_completion(generation, logprobs))
 
 
-async def chat_events(state: ApiState, inputs: str, params: Parameters, logprobs: bool,
+async def chat_events(bodies: OpenAiBodies, state: ApiState, inputs: str, params: Parameters, logprobs: bool,
                       usage: bool) -> AsyncIterator[bytes]:
     try:
         async with aclosing(state.infer.stream(inputs, params, add_special_tokens=False)) as steps:
             async for step in steps:
-                yield sse.event(state.openai.chat_chunk(step.token, step.final, logprobs))
+                yield sse.event(bodies.chat_chunk(step.token, step.final, logprobs))
                 if step.final is not None and usage:
-                    yield sse.event(state.openai.chat_usage_chunk(step.final))
+                    yield sse.event(bodies.chat_usage_chunk(step.final))
     except ApiError as error:
         yield sse.event(error.openai_body())
     yield sse.DONE
@@ -87,12 +88,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                             f"{state.config.max_client_batch_size}", "batch size exceeded")
     params = completion_parameters(body)
     if body.stream:
-        return sse.response(completion_events(state, prompts, params))
+        return sse.response(completion_events(state.openai_for(body.model), state, prompts, params))
     results = await unless_disconnected(request, asyncio.gather(*[state.infer.generate(p, params) for p in prompts]))
-    return JSONResponse(state.openai.completion([generation for generation, _ in results]))
+    return JSONResponse(state.openai_for(body.model).completion([generation for generation, _ in results]))
 
 
-async def completion_events(state: ApiState, prompts: list[str], params: Parameters) -> AsyncIterator[bytes]:
+async def completion_events(bodies: OpenAiBodies, state: ApiState, prompts: list[str],
+                            params: Parameters) -> AsyncIterator[bytes]:
     """Every prompt's stream, interleaved as their tokens come (each chunk names its prompt's index)."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
@@ -100,7 +102,7 @@ async def completion_events(state: ApiState, prompts: list[str], params: Paramet
         try:
             async with aclosing(state.infer.stream(prompt, params)) as steps:
                 async for step in steps:
-                    await queue.put(sse.event(state.openai.completion_chunk(index, step.token, step.final)))
+                    await queue.put(sse.event(bodies.completion_chunk(index, step.token, step.final)))
         except ApiError as error:
             await queue.put(sse.event(error.openai_body()))
         finally:
