@@ -40,7 +40,8 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
     """Write a complete random model directory for `arch` to `out_dir` and return its path.
 
     The directory holds config.json, model.safetensors (float32), generation_config.json, the
-    tokenizer files and, for vision-language models, the processor files; it reloads with
+    tokenizer files and, for vision-language models, the processor files (Qwen2-VL and Qwen2.5-VL also
+    chat_template.jinja, their real template); it reloads with
     `AutoProcessor` + `AutoModelForImageTextToText` (VLMs) or `AutoTokenizer` +
     `AutoModelForCausalLM` (llama, qwen2). The same `arch`, `size` and `seed` give the same files.
 
