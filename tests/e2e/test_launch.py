@@ -227,11 +227,11 @@ def test_generation_parameters_do_what_tgi_documents(launch):
                for _ in range(2)]
     assert sampled[0]["details"]["seed"] == 42 and sampled[0]["generated_text"] == sampled[1]["generated_text"]
 
-    first_text = details["tokens"][1]["text"]
-    if first_text.strip():
-        stopped = generate(launch, prompt, max_new_tokens=N, stop=[first_text])
-        assert stopped["details"]["finish_reason"] == "stop_sequence"
-        assert ids(stopped["details"]) == ids(details)[:2]
+    stop = greedy["generated_text"][:3]  # stops at the token that completes it: a prefix of the greedy ids
+    assert stop, greedy
+    stopped = generate(launch, prompt, max_new_tokens=N, stop=[stop])
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+    assert ids(stopped["details"]) == ids(details)[: len(stopped["details"]["tokens"])]
 
 
 def test_compat_route_returns_a_list_and_streams_on_request(launch):
