@@ -1,5 +1,6 @@
 # Set-up and everyday commands. A fresh machine needs only Python 3.11 and pip:
-#   make run    — install, build a tiny VLM, start a shard as TGI's launcher does, stream a request
+#   make run    — install, build a tiny VLM, serve TGI's HTTP API on 127.0.0.1:$(PORT) (`tgi-vlm launch`:
+#                 a shard started as TGI's launcher does, behind the router driver); it prints what to try
 #   make test   — install and run the CPU test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,6 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 MODEL_DIR ?= models/tiny-qwen2_vl
 ARCH ?= qwen2_vl
+PORT ?= 3000
 
 .PHONY: install test lint run bench gpu-check clean
 
@@ -17,7 +19,8 @@ $(VENV)/.installed: pyproject.toml setup.py proto/generate/v3/generate.proto
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e '.[dev,vision]'
+	$(PY) -m pip install -q -e '.[dev,vision,server]'
+	$(PY) -m pip install -q --no-deps 'text-generation==0.7.0'  # TGI's client; see pyproject's dev extra
 	touch $@
 
 test: install
@@ -27,8 +30,8 @@ lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 
 run: install
-	@test -d $(MODEL_DIR) || $(VENV)/bin/tgi-vlm tiny-model --arch $(ARCH) $(MODEL_DIR)
-	$(VENV)/bin/tgi-vlm generate $(MODEL_DIR) --demo
+	@test -f $(MODEL_DIR)/chat_template.jinja || $(VENV)/bin/tgi-vlm tiny-model --arch $(ARCH) $(MODEL_DIR)
+	$(VENV)/bin/tgi-vlm launch $(MODEL_DIR) --port $(PORT)
 
 bench: install
 	$(PY) benchmarks/engine_step.py

@@ -1,4 +1,5 @@
-"""Command line: `serve` and `download-weights` as TGI's launcher calls them, plus `tiny-model`.
+"""Command line: `serve` and `download-weights` as TGI's launcher calls them; `launch` (TGI's HTTP API),
+`generate`, `bench` and `tiny-model`.
 
 Heavy imports (torch, transformers, the engine) happen inside the commands, after the cheap
 checks, so a refused flag fails fast and `--help` stays quick.
@@ -246,6 +247,75 @@ def generate(
 
 
 @app.command()
+def launch(
+    model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    port: Annotated[int, typer.Option("--port", "-p", help="HTTP port (0: any free port)")] = 3000,
+    hostname: Annotated[str, typer.Option(help="Address to listen on (TGI's default is 0.0.0.0)")] = "127.0.0.1",
+    max_concurrent_requests: int = 128,
+    max_best_of: Annotated[int, typer.Option(help="Only 1: best_of > 1 is not implemented")] = 1,
+    max_stop_sequences: int = 4,
+    max_top_n_tokens: int = 5,
+    max_input_tokens: Annotated[Optional[int], typer.Option(help="Default: max-total-tokens - 1")] = None,
+    max_input_length: Annotated[Optional[int], typer.Option(help="Legacy name of --max-input-tokens")] = None,
+    max_total_tokens: Annotated[int, typer.Option(help="Prompt + new tokens per request")] = 2048,
+    max_batch_prefill_tokens: Annotated[Optional[int], typer.Option(help="Default: max-input-tokens + 50")] = None,
+    max_batch_total_tokens: Annotated[Optional[int], typer.Option(help="Default: what the shard's KV cache holds")] = None,
+    max_batch_size: Optional[int] = None,
+    waiting_served_ratio: float = 0.3,
+    max_waiting_tokens: int = 20,
+    max_client_batch_size: int = 4,
+    validation_workers: int = 2,
+    dtype: Optional[Dtype] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="API_KEY", help="Require 'Authorization: Bearer KEY'")] = None,
+    payload_limit: Annotated[int, typer.Option(help="Largest request body, bytes")] = 2_000_000,
+    max_image_fetch_size: Annotated[int, typer.Option(help="Largest image fetched from a URL, bytes")] = 20 * 1024 * 1024,
+    image_fetch_timeout: Annotated[float, typer.Option(help="Seconds allowed for one image URL fetch")] = 10.0,
+    shard_uds_path: Annotated[Optional[str], typer.Option(help="Use the shard on this socket (or {path}-0) if it "
+                                                                   "exists; otherwise start one there")] = None,
+    graceful_termination_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get on SIGTERM")] = 90.0,
+    logger_level: str = "WARNING",
+) -> None:
+    """Serve TGI's HTTP API (/generate, /v1/chat/completions, /info, /metrics, ...) from a shard started
+    as TGI's launcher does, through the Python router driver. Needs the `server` extra."""
+    import asyncio
+
+    _setup_logging(logger_level, False)
+    check_model_id(model_id)
+    try:
+        from tgi_vlm.api.config import ApiConfig
+        from tgi_vlm.api.launch import LaunchConfig
+        from tgi_vlm.api.launch import launch as run_launch
+    except ImportError as exc:
+        _fail(f"the HTTP server needs the `server` extra ({exc.name} is missing): pip install 'tgi-vlm[server]'")
+    from tgi_vlm.router.router import RouterConfig
+
+    input_tokens = max_input_tokens or max_input_length or max_total_tokens - 1
+    if input_tokens >= max_total_tokens:
+        _fail(f"--max-input-tokens ({input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
+    if max_best_of != 1:
+        _fail("--max-best-of: only 1 is supported (best_of > 1 is not implemented)")
+    api = ApiConfig(model_id, hostname=hostname, port=port, max_concurrent_requests=max_concurrent_requests,
+                    max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens,
+                    max_client_batch_size=max_client_batch_size, validation_workers=validation_workers,
+                    payload_limit=payload_limit, api_key=api_key, max_image_fetch_size=max_image_fetch_size,
+                    image_fetch_timeout_s=image_fetch_timeout)
+    router = RouterConfig(max_input_tokens=input_tokens, max_total_tokens=max_total_tokens,
+                          max_batch_prefill_tokens=max_batch_prefill_tokens or input_tokens + 50,
+                          max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
+                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens)
+    shard_args = ["--max-input-tokens", str(input_tokens)] + (["--dtype", dtype.value] if dtype else [])
+    config = LaunchConfig(api, router, shard_args=shard_args, shard_uds_path=shard_uds_path,
+                          graceful_termination_timeout_s=graceful_termination_timeout,
+                          log_level=logger_level.lower())
+    try:
+        asyncio.run(run_launch(config))
+    except KeyboardInterrupt:
+        pass
+    except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: port taken, no such model
+        _fail(f"{type(exc).__name__}: {exc}")
+
+
+@app.command()
 def bench(
     model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
     num_requests: int = 64,
@@ -266,11 +336,17 @@ def bench(
     max_total_tokens: int = 2048,
     profile: Annotated[bool, typer.Option(help="Sample the shard with py-spy (if installed)")] = False,
     uds_path: Optional[str] = None,
+    url: Annotated[Optional[str], typer.Option(help="Send the workload to a running `tgi-vlm launch` (or TGI) at "
+                                                    "this URL, over HTTP, instead of driving a shard")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="API_KEY", help="Bearer token for --url")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Requests run their full length (off: greedy outputs may end "
+                                                  "at EOS; needed with --url, which has no ignore_eos)")] = True,
     out_dir: Path = Path("benchmarks/results"),
     name: Optional[str] = None,
     logger_level: str = "WARNING",
 ) -> None:
-    """Serving benchmark: a synthetic image+text workload through the router and shard, vs transformers."""
+    """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
+    running launch, --url), vs transformers."""
     import asyncio
 
     from rich.console import Console
@@ -282,9 +358,13 @@ def bench(
     from tgi_vlm.router.workload import WorkloadSpec, make_workload
 
     _setup_logging(logger_level, False)
+    if url and ignore_eos:
+        _fail("--url: TGI's HTTP API has no ignore_eos; add --no-ignore-eos (and use it for the direct run you "
+              "compare with, so both send the same requests)")
     spec = WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max, output_min,
-                        output_max, concurrency, rate, seed)
-    name = name or f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
+                        output_max, concurrency, rate, seed, ignore_eos)
+    name = name or (f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
+                     + ("-http" if url else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     items = make_workload(spec, TokenCounter(model_id).tokenizer)
     config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
@@ -294,15 +374,23 @@ def bench(
     progress_type = Progress if console.is_terminal else _PlainProgress
     with progress_type(console=console) as progress:
         task = progress.add_task("tgi-vlm", total=len(items))
-        serving = asyncio.run(b.run_serving(
-            model_id, items, spec, uds_path=uds_path, config=config,
-            profile_to=out_dir / f"{name}.pyspy.txt" if profile else None, progress=lambda: progress.advance(task)))
+        if url:
+            from tgi_vlm.api.bench import run_serving_http
+
+            serving = asyncio.run(run_serving_http(url.rstrip("/"), items, spec, api_key=api_key,
+                                                   progress=lambda: progress.advance(task)))
+        else:
+            serving = asyncio.run(b.run_serving(
+                model_id, items, spec, uds_path=uds_path, config=config,
+                profile_to=out_dir / f"{name}.pyspy.txt" if profile else None,
+                progress=lambda: progress.advance(task)))
         reference = None
         if hf:
             ref_task = progress.add_task("transformers", total=len(items))
             reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
                                         progress=lambda n: progress.advance(ref_task, n))
     report = b.summarize(spec, items, serving, reference, model_id)
+    report["transport"] = f"HTTP {url}" if url else "router driver"
     Console(width=140).print(b.result_table(report))
     for line in b.summary_lines(report):
         typer.echo(line)
@@ -332,3 +420,7 @@ class _PlainProgress:
         self.tasks[task][2] = done + n
         if (done + n) * 10 // total > done * 10 // total:
             self.console.print(f"{description}: {done + n}/{total}")
+
+
+if __name__ == "__main__":
+    app()

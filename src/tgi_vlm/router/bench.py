@@ -250,8 +250,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def time_split(serving: ServingResult) -> dict[str, float]:
-    """Where the serving wall time went, in seconds (shard figures are what it reports per RPC)."""
+    """Where the serving wall time went, in seconds (shard figures are what it reports per RPC).
+    Empty when the run had no step records (over HTTP)."""
     steps = serving.steps
+    if not steps:
+        return {}
     forward = sum(s.forward_ns for s in steps) / 1e9
     sample = sum(s.decode_ns for s in steps) / 1e9
     server = sum(s.total_ns for s in steps) / 1e9
@@ -313,7 +316,7 @@ def result_table(report: dict):
     for col in ("system", "req/s", "out tok/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "wall s"):
         table.add_column(col, justify="right" if col != "system" else "left")
     s = report["serving"]
-    table.add_row("tgi-vlm", f"{s['req_per_s']:.2f}", f"{s['out_tok_per_s']:.1f}", _ms(s["ttft_s"]), _ms(s["itl_s"]),
+    table.add_row(f"tgi-vlm ({report.get('transport', 'router driver')})", f"{s['req_per_s']:.2f}", f"{s['out_tok_per_s']:.1f}", _ms(s["ttft_s"]), _ms(s["itl_s"]),
                   f"{s['wall_s']:.1f}")
     if "transformers" in report:
         t = report["transformers"]
@@ -333,8 +336,9 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"throughput ratio (tgi-vlm / transformers): {report['throughput_ratio']:.2f}x; "
                      f"exact output matches: {report['exact_matches']}/{n}")
     split = report["serving"]["time_split"]
-    lines.append("serving time split: " + ", ".join(
-        f"{k} {v:.1f}" + ("" if k in ("steps", "mean decode batch") else " s") for k, v in split.items()))
+    if split:
+        lines.append("serving time split: " + ", ".join(
+            f"{k} {v:.1f}" + ("" if k in ("steps", "mean decode batch") else " s") for k, v in split.items()))
     if report["serving"]["profile"]:
         lines.append("shard profile (py-spy samples): " + ", ".join(
             f"{k} {v:.0%}" for k, v in report["serving"]["profile"].items()))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.allocator import Allocation, BlockAllocator, tokens_to_reserve
-from tgi_vlm.router.requests import Event, FinalEvent, RequestParams
+from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, Token
 
 
 @dataclass(eq=False)
@@ -31,6 +31,7 @@ class Entry:
     speculate: int = 0  # the shard's Info.speculate: TGI's router reserves that many more slots
     cancelled: bool = False
     done: bool = False
+    prefill: tuple[Token, ...] = ()  # prompt tokens with logprobs, once the shard sent them
 
     @property
     def tokens_needed(self) -> int:

@@ -29,6 +29,8 @@ class RequestParams:
     truncate: int = 0  # 0: no truncation (up to the router's max_input_tokens)
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
+    watermark: bool = False
+    add_special_tokens: bool = True  # TGI's chat route sends False (the template holds the specials)
 
     def to_pb(self, request_id: int, allocation=None, chunk_len: int | None = None) -> pb.Request:
         return build_request(
@@ -36,10 +38,11 @@ class RequestParams:
             parameters=dict(
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, typical_p=self.typical_p,
                 do_sample=self.do_sample, seed=self.seed, repetition_penalty=self.repetition_penalty,
-                frequency_penalty=self.frequency_penalty,
+                frequency_penalty=self.frequency_penalty, watermark=self.watermark,
             ),
             max_new_tokens=self.max_new_tokens, stop_sequences=self.stop_sequences, ignore_eos=self.ignore_eos,
             truncate=self.truncate, prefill_logprobs=self.prefill_logprobs, top_n_tokens=self.top_n_tokens,
+            add_special_tokens=self.add_special_tokens,
             blocks=allocation.blocks if allocation is not None else (),
             slots=allocation.slots if allocation is not None else (),
             chunk_len=chunk_len,
@@ -78,6 +81,16 @@ def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters:
 
 
 @dataclass(frozen=True)
+class Token:
+    """A prompt token (`prefill`) or one of the top-n alternatives of a generated token."""
+
+    id: int
+    text: str
+    logprob: float  # NaN for the first prompt token (nothing precedes it)
+    special: bool = False
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     request_id: int
     token_id: int
@@ -85,6 +98,15 @@ class TokenEvent:
     logprob: float
     special: bool
     time: float  # time.perf_counter() when the router received it
+    top_tokens: tuple[Token, ...] = ()  # the `top_n_tokens` most likely tokens at this step
+
+
+def tokens_from_pb(tokens: pb.Tokens) -> tuple[Token, ...]:
+    n = len(tokens.ids)
+    texts = list(tokens.texts) + [""] * (n - len(tokens.texts))
+    logprobs = list(tokens.logprobs) + [0.0] * (n - len(tokens.logprobs))
+    special = list(tokens.is_special) + [False] * (n - len(tokens.is_special))
+    return tuple(Token(i, t, lp, bool(s)) for i, t, lp, s in zip(tokens.ids, texts, logprobs, special))
 
 
 @dataclass(frozen=True)
@@ -99,13 +121,17 @@ class FinalEvent:
     seed: int | None = None
     error: str | None = None  # set when the request failed or was cancelled
     cancelled: bool = False
+    refused: bool = False  # the request itself was invalid (router validation or the shard's INVALID_ARGUMENT)
+    input_length: int = 0  # prompt tokens, as counted for the request's KV allocation
+    prefill: tuple[Token, ...] = ()  # prompt tokens with logprobs, when `prefill_logprobs` was asked for
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
     @classmethod
-    def from_pb(cls, request_id: int, generated: pb.GeneratedText) -> FinalEvent:
+    def from_pb(cls, request_id: int, generated: pb.GeneratedText, *, input_length: int = 0,
+                prefill: tuple[Token, ...] = ()) -> FinalEvent:
         return cls(
             request_id=request_id,
             time=time.perf_counter(),
@@ -113,11 +139,13 @@ class FinalEvent:
             generated_tokens=generated.generated_tokens,
             finish_reason=FinishReason(generated.finish_reason).name.lower(),  # "length", "eos_token", ...
             seed=generated.seed if generated.HasField("seed") else None,
+            input_length=input_length,
+            prefill=prefill,
         )
 
     @classmethod
-    def failed(cls, request_id: int, error: str, *, cancelled: bool = False) -> FinalEvent:
-        return cls(request_id=request_id, time=time.perf_counter(), error=error, cancelled=cancelled)
+    def failed(cls, request_id: int, error: str, *, cancelled: bool = False, refused: bool = False) -> FinalEvent:
+        return cls(request_id=request_id, time=time.perf_counter(), error=error, cancelled=cancelled, refused=refused)
 
 
 Event = TokenEvent | FinalEvent

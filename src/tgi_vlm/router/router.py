@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,10 +30,11 @@ from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.allocator import BlockAllocator
 from tgi_vlm.router.client import ShardClient
 from tgi_vlm.router.queue import Entry, NextBatch, Queue, min_batch_size
-from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, TokenEvent
+from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, TokenEvent, tokens_from_pb
 from tgi_vlm.router.warmup import warmup_request
 
 _BAD_REQUEST = re.compile(r"request (\d+):")
+MAX_STEP_RECORDS = 100_000  # a long-running server keeps the latest steps only
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class Stream:
     def request_id(self) -> int:
         return self.entry.id
 
+    def ready(self) -> bool:
+        """True when the next event is already queued: the router sends a request's last token and
+        its FinalEvent together, so a caller can attach the final to that token without waiting."""
+        return not self.entry.events.empty()
+
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
 
@@ -120,7 +126,8 @@ class Router:
         self.allocator: BlockAllocator | None = None
         self.queue: Queue | None = None
         self.calls: Counter[str] = Counter()  # RPCs sent, e.g. "prefill+cached", "decode"
-        self.steps: list[StepRecord] = []
+        self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
+        self.step_listeners: list[Callable[[StepRecord], None]] = []  # called after every Prefill/Decode
         self._ids = itertools.count(1)
         self._running: dict[int, Entry] = {}
         self._wake = asyncio.Event()
@@ -157,21 +164,23 @@ class Router:
                      self.allocator.num_blocks, info.support_chunking)
 
     # ----- public API -----
-    async def submit(self, params: RequestParams) -> Stream:
-        """Queue a request; its events arrive on the returned stream (errors as a failed FinalEvent)."""
+    async def submit(self, params: RequestParams, *, input_len: int | None = None) -> Stream:
+        """Queue a request; its events arrive on the returned stream (errors as a failed FinalEvent).
+        `input_len`: the prompt's token count when the caller has already counted it."""
         await self._started.wait()
-        entry = Entry(id=next(self._ids), params=params, input_len=0, submitted=time.perf_counter(),
+        entry = Entry(id=next(self._ids), params=params, input_len=input_len or 0, submitted=time.perf_counter(),
                       speculate=self.shard.info.speculate)
         try:
-            entry.input_len = await asyncio.get_running_loop().run_in_executor(
-                self._counting, self.count_tokens, params.to_pb(entry.id))
+            if input_len is None:
+                entry.input_len = await asyncio.get_running_loop().run_in_executor(
+                    self._counting, self.count_tokens, params.to_pb(entry.id))
         except ValueError as exc:
             return self._refuse(entry, str(exc))
         problem = self._validate(entry)
         if problem:
             return self._refuse(entry, f"request {entry.id}: {problem}")
         if self._stopping:
-            return self._refuse(entry, "the router is stopping")
+            return self._refuse(entry, "the router is stopping", refused=False)
         self.queue.append(entry)
         self._wake.set()
         return Stream(entry)
@@ -280,7 +289,7 @@ class Router:
         for rid in bad:
             entry = new.entries.pop(rid)
             entries.pop(rid, None)
-            self._finish(entry, FinalEvent.failed(rid, f"refused by the shard: {details}"))
+            self._finish(entry, FinalEvent.failed(rid, f"refused by the shard: {details}", refused=True))
         kept = [r for r in new.batch.requests if r.id not in bad]
         del new.batch.requests[:]
         new.batch.requests.extend(kept)
@@ -300,8 +309,11 @@ class Router:
 
     def _record(self, kind: str, response, start: float) -> None:
         size = response.batch.size if response.HasField("batch") else 0
-        self.steps.append(StepRecord(kind, size, time.perf_counter() - start, response.forward_ns,
-                                     response.decode_ns, response.total_ns, response.concat_ns))
+        record = StepRecord(kind, size, time.perf_counter() - start, response.forward_ns,
+                            response.decode_ns, response.total_ns, response.concat_ns)
+        self.steps.append(record)
+        for listener in self.step_listeners:
+            listener(record)
 
     def _send(self, generations, entries: dict[int, Entry]) -> None:
         now = time.perf_counter()
@@ -309,14 +321,16 @@ class Router:
             entry = entries.get(g.request_id)
             if entry is None or entry.cancelled:
                 continue
-            t = g.tokens
-            for i, token_id in enumerate(t.ids):
-                entry.events.put_nowait(TokenEvent(entry.id, token_id, t.texts[i] if i < len(t.texts) else "",
-                                                   t.logprobs[i] if i < len(t.logprobs) else 0.0,
-                                                   bool(t.is_special[i]) if i < len(t.is_special) else False, now))
+            if g.HasField("prefill_tokens"):
+                entry.prefill = tokens_from_pb(g.prefill_tokens)
+            for i, token in enumerate(tokens_from_pb(g.tokens)):
+                top = tokens_from_pb(g.top_tokens[i]) if i < len(g.top_tokens) else ()
+                entry.events.put_nowait(TokenEvent(entry.id, token.id, token.text, token.logprob, token.special, now,
+                                                   top))
             if g.HasField("generated_text"):
                 del entries[entry.id]
-                self._finish(entry, FinalEvent.from_pb(entry.id, g.generated_text))
+                self._finish(entry, FinalEvent.from_pb(entry.id, g.generated_text, input_length=entry.input_len,
+                                                       prefill=entry.prefill))
 
     async def _filter(self, batch: pb.CachedBatch | None, entries: dict[int, Entry]) -> pb.CachedBatch | None:
         """Drop cancelled requests; FilterBatch when the shard's batch holds others, ClearCache when empty."""
@@ -363,8 +377,8 @@ class Router:
             entry.allocation = None
         entry.events.put_nowait(event)
 
-    def _refuse(self, entry: Entry, error: str) -> Stream:
-        self._finish(entry, FinalEvent.failed(entry.id, error))
+    def _refuse(self, entry: Entry, error: str, *, refused: bool = True) -> Stream:
+        self._finish(entry, FinalEvent.failed(entry.id, error, refused=refused))
         return Stream(entry)
 
     def _validate(self, entry: Entry) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -34,16 +34,22 @@ def existing_socket(uds_path: str | None) -> str | None:
 
 @asynccontextmanager
 async def router_session(model_id: str, *, uds_path: str | None = None, shard_env: Mapping[str, str] | None = None,
-                         config: RouterConfig | None = None,
+                         shard_args: Sequence[str] = (), config: RouterConfig | None = None,
                          wrap_client: Callable[[ShardClient], ShardClient] | None = None) -> AsyncIterator[Session]:
     """Yield a warmed-up router whose loop is running; on exit stop it and SIGTERM the shard we started."""
-    counter = await asyncio.to_thread(TokenCounter, model_id)
+    counting = asyncio.create_task(asyncio.to_thread(TokenCounter, model_id))  # loads while the shard starts
     socket = existing_socket(uds_path)
     shard = None
-    if socket is None:
-        shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env)
-        await asyncio.to_thread(shard.start)
-        socket = shard.socket
+    try:
+        if socket is None:
+            shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env, extra_args=list(shard_args))
+            await asyncio.to_thread(shard.start)
+            socket = shard.socket
+        counter = await counting
+    except BaseException:
+        if shard is not None:
+            await asyncio.to_thread(shard.stop)
+        raise
     client = ShardClient(socket)
     if wrap_client is not None:
         client = wrap_client(client)

@@ -21,7 +21,8 @@ class CountError(ValueError):
 
 
 class TokenCounter:
-    """`count(request)` → prompt tokens the shard will see. Thread-safe (one call at a time)."""
+    """`count(request)` → prompt tokens the shard will see; `input_ids(request)` → the ids themselves.
+    Thread-safe (one call at a time)."""
 
     def __init__(self, model_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
                  limits: InputLimits | None = None):
@@ -31,6 +32,7 @@ class TokenCounter:
         self.limits = limits or InputLimits()
         self._lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
         self.prompt = None
+        self.processor = None  # VLMs: the HF processor (its chat template may live there)
         if getattr(hf_config, "vision_config", None) is not None:
             from transformers import AutoProcessor
 
@@ -38,6 +40,7 @@ class TokenCounter:
 
             processor = AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
             self.prompt = prompt_for(hf_config.model_type)(processor, hf_config)
+            self.processor = processor
             self.tokenizer = processor.tokenizer
         else:
             from transformers import AutoTokenizer
@@ -45,20 +48,30 @@ class TokenCounter:
             self.tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
 
     def count(self, request: pb.Request) -> int:
+        return len(self.input_ids(request))
+
+    def offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
+        """(id, start, stop) per token of plain text, character offsets into `text` (TGI's /tokenize)."""
+        with self._lock:
+            encoding = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return [(i, start, stop) for i, (start, stop) in zip(encoding["input_ids"], encoding["offset_mapping"])]
+
+    def input_ids(self, request: pb.Request) -> list[int]:
+        """The prompt's token ids as the shard builds them (image placeholders expanded), truncated."""
         with self._lock:
             try:
-                n = self._count(request)
+                ids = self._ids(request)
             except InvalidRequest as exc:
                 raise CountError(str(exc)) from None
-        return min(n, request.truncate) if request.truncate else n
+        return ids[-request.truncate:] if request.truncate else ids
 
-    def _count(self, request: pb.Request) -> int:
+    def _ids(self, request: pb.Request) -> list[int]:
         if self.prompt is None:
             chunks = request_chunks(request)
             if any(isinstance(c, bytes) for c in chunks):
                 raise CountError(f"request {request.id}: the model is text-only and cannot take image inputs")
-            return len(self.tokenizer("".join(chunks), add_special_tokens=request.add_special_tokens)["input_ids"])
+            return list(self.tokenizer("".join(chunks), add_special_tokens=request.add_special_tokens)["input_ids"])
         from tgi_vlm.models.vlm_intake import process_prompt, prompt_parts
 
         parts, images, _ = prompt_parts(request, self.limits)
-        return int(process_prompt(self.prompt, request, parts, images)["input_ids"].shape[-1])
+        return process_prompt(self.prompt, request, parts, images)["input_ids"][0].tolist()

@@ -24,6 +24,7 @@ class WorkloadSpec:
     concurrency: int | None = 16  # closed loop: this many in flight
     rate: float | None = None  # open loop: Poisson arrivals per second (overrides concurrency)
     seed: int = 0
+    ignore_eos: bool = True  # every request runs its full length (off: greedy outputs may stop at EOS)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,7 +53,7 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
         outputs = rng.randint(spec.output_min, spec.output_max)
         if spec.rate:
             clock += rng.expovariate(spec.rate)
-        params = RequestParams([*images, text], max_new_tokens=outputs, ignore_eos=True)  # greedy
+        params = RequestParams([*images, text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos)  # greedy
         items.append(WorkItem(params, target, sizes, clock))
     return items
 

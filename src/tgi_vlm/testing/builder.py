@@ -25,7 +25,7 @@ TEXT_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if 
 VLM_ARCHS: tuple[str, ...] = tuple(arch for arch, recipe in RECIPES.items() if recipe.is_vlm)
 
 # Bump when a build changes (recipes, sizes, tokenizer), so cached models are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: Qwen2-VL / Qwen2.5-VL carry a chat template
 
 CACHE_ENV = "TGI_VLM_TINY_CACHE"
 
@@ -40,7 +40,8 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
     """Write a complete random model directory for `arch` to `out_dir` and return its path.
 
     The directory holds config.json, model.safetensors (float32), generation_config.json, the
-    tokenizer files and, for vision-language models, the processor files; it reloads with
+    tokenizer files and, for vision-language models, the processor files (Qwen2-VL and Qwen2.5-VL also
+    chat_template.jinja, their real template); it reloads with
     `AutoProcessor` + `AutoModelForImageTextToText` (VLMs) or `AutoTokenizer` +
     `AutoModelForCausalLM` (TEXT_ARCHS). The same `arch`, `size` and `seed` give the same files.
 
@@ -62,6 +63,10 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
 
     tokenizer = build_tokenizer(recipe.tokenizer, seed=seed, num_merges=sizes.num_merges)
     processor = recipe.processor(tokenizer, sizes) if recipe.processor else None
+    if recipe.chat_template is not None:
+        tokenizer.chat_template = recipe.chat_template
+        if processor is not None:
+            processor.chat_template = recipe.chat_template
     config = recipe.config(tokenizer, sizes)  # after the processor: it may add tokens
     model = _random_model(config, is_vlm=recipe.is_vlm, seed=seed)
     model.generation_config = GenerationConfig(

@@ -65,6 +65,7 @@ class Recipe:
     tokenizer: TokenizerSpec
     config: ConfigFn
     processor: ProcessorFn | None = None  # None: a text-only causal LM
+    chat_template: str | None = None  # saved with the tokenizer and the processor
 
     @property
     def is_vlm(self) -> bool:
@@ -269,6 +270,29 @@ def _qwen2_5_vl_config(tok: Tok, s: Sizes) -> PreTrainedConfig:
     return Qwen2_5_VLConfig(
         text_config=_qwen_vl_text(tok, s), vision_config=vision, **_qwen_vl_ids(tok), **_ids(tok)
     )
+
+
+# Qwen2-VL-Instruct's own chat template (ChatML; a system turn when none is given; an image content
+# part becomes <|vision_start|><|image_pad|><|vision_end|>, which the processor expands). TGI hands
+# templates string contents only, images already written as markdown ![](url) in the text.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _qwen_vl_image_processor(s: Sizes) -> Qwen2VLImageProcessor:
@@ -544,8 +568,8 @@ RECIPES: dict[str, Recipe] = {
     "gemma3_text": Recipe(_gemma_tokens(), _gemma3_text_config),
     "phi3": Recipe(_llama_tokens(), _phi3_config),
     "gpt2": Recipe(_GPT2_TOKENS, _gpt2_config),
-    "qwen2_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_vl_config, _qwen2_vl_processor),
-    "qwen2_5_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_5_vl_config, _qwen2_5_vl_processor),
+    "qwen2_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_vl_config, _qwen2_vl_processor, QWEN2_VL_CHAT_TEMPLATE),
+    "qwen2_5_vl": Recipe(_QWEN_VL_TOKENS, _qwen2_5_vl_config, _qwen2_5_vl_processor, QWEN2_VL_CHAT_TEMPLATE),
     "llava_next": Recipe(_sp_tokens(image_token="<image>"), _llava_next_config, _llava_next_processor),
     "idefics2": Recipe(_idefics_tokens(), _idefics2_config, _idefics2_processor),
     "idefics3": Recipe(_idefics_tokens(), _idefics3_config, _idefics3_processor),

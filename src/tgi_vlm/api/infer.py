@@ -1,0 +1,138 @@
+"""Requests through the router driver (TGI's `Infer`): the concurrency limit, validation, one
+request's events, failures mapped to TGI's errors, and cancellation when the caller goes away.
+
+A permit is taken before validation (past `max_concurrent_requests` → 429, as TGI's semaphore)
+and held until the request's last event. `stream()` is an async generator: closing it early (the
+HTTP client disconnected) cancels the request in the router, which frees its KV blocks at the next
+step boundary. Every failure is counted once, as `tgi_request_failure{err=<error_type>}`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
+
+from tgi_vlm.api.errors import ApiError, generation_error, incomplete_generation, overloaded, validation_error
+from tgi_vlm.api.metrics import Metrics
+from tgi_vlm.api.schemas import Parameters
+from tgi_vlm.api.validation import Validator, ValidRequest
+from tgi_vlm.router.requests import FinalEvent, TokenEvent
+from tgi_vlm.router.router import Router, Stream
+
+
+@dataclass
+class Generation:
+    tokens: list[TokenEvent]
+    final: FinalEvent
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """One token of a stream; the last one carries the FinalEvent (TGI's last event has the text)."""
+
+    index: int  # 1-based
+    token: TokenEvent
+    final: FinalEvent | None
+    valid: ValidRequest
+
+
+class Infer:
+    def __init__(self, router: Router, validator: Validator, metrics: Metrics, max_concurrent_requests: int):
+        self.router = router
+        self.validator = validator
+        self.metrics = metrics
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0
+
+    async def generate(self, inputs: str, params: Parameters, *,
+                       add_special_tokens: bool = True) -> tuple[Generation, ValidRequest]:
+        tokens: list[TokenEvent] = []
+        async with aclosing(self._run(inputs, params, add_special_tokens, stream=False)) as steps:
+            async for step in steps:
+                tokens.append(step.token)
+                if step.final is not None:
+                    return Generation(tokens, step.final), step.valid
+        raise incomplete_generation()
+
+    def stream(self, inputs: str, params: Parameters, *, add_special_tokens: bool = True) -> AsyncIterator[StreamStep]:
+        return self._run(inputs, params, add_special_tokens, stream=True)
+
+    async def _run(self, inputs: str, params: Parameters, add_special_tokens: bool,
+                   stream: bool) -> AsyncIterator[StreamStep]:
+        start = time.perf_counter()
+        self.metrics.counters.inc("tgi_request_count")
+        try:
+            with self._permit():
+                valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
+                                                      stream=stream)
+                queued = time.perf_counter()
+                routed = await self.router.submit(valid.params, input_len=valid.input_length)
+                async for index, token, final in _paired(routed, self.router, self.metrics):
+                    if final is not None:
+                        self._done(final, valid, start, queued)
+                    yield StreamStep(index, token, final, valid)
+        except ApiError as error:
+            self.metrics.counters.inc("tgi_request_failure", err=error.error_type)
+            raise
+
+    @contextmanager
+    def _permit(self) -> Iterator[None]:
+        if self.in_flight >= self.max_concurrent_requests:
+            raise overloaded()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def _done(self, final: FinalEvent, valid: ValidRequest, start: float, queued: float) -> None:
+        now = time.perf_counter()
+        self.metrics.request_done(total_s=now - start, validation_s=queued - start, inference_s=now - queued,
+                                  generated_tokens=final.generated_tokens, input_length=valid.input_length,
+                                  max_new_tokens=valid.params.max_new_tokens)
+
+
+async def _paired(stream: Stream, router: Router,
+                  metrics: Metrics) -> AsyncIterator[tuple[int, TokenEvent, FinalEvent | None]]:
+    """(index, token, None) per token, the last with its successful FinalEvent; a failed request raises.
+    Closed early (the consumer went away), the request is cancelled in the router."""
+    finished = False
+    held: TokenEvent | None = None
+    index = 0
+    try:
+        async for event in stream:
+            if isinstance(event, FinalEvent):
+                finished = True
+                if not event.ok:
+                    raise request_error(event)
+                if held is None:
+                    raise incomplete_generation()
+                yield index + 1, held, event
+                return
+            if held is not None:
+                index += 1
+                yield index, held, None
+            held = event
+            if not stream.ready():  # more tokens to come: the last one arrives with its FinalEvent
+                index += 1
+                yield index, held, None
+                held = None
+    finally:
+        if not finished and router.cancel(stream.request_id):
+            metrics.counters.inc("tgi_vlm_request_cancelled")
+
+
+def request_error(final: FinalEvent) -> ApiError:
+    """A failed FinalEvent as TGI's error: a refused request is a validation error (422), anything
+    else a generation error (424). Only this request's part of a batch-wide message is kept."""
+    reason = own_reason(final.error or "", final.request_id)
+    return validation_error(reason) if final.refused else generation_error(reason)
+
+
+def own_reason(message: str, request_id: int) -> str:
+    message = message.removeprefix("refused by the shard: ")
+    own = re.search(rf"request {request_id}: (.*?)(?=; request \d+: |$)", message)
+    return own.group(1) if own else message

@@ -1,0 +1,77 @@
+"""GET /info, /health (and GET /, /ping), /metrics; POST /tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tgi_vlm import __version__
+from tgi_vlm.api import metrics
+from tgi_vlm.api.errors import unhealthy
+from tgi_vlm.api.routes.generate import state_of
+from tgi_vlm.api.schemas import GenerateRequest
+from tgi_vlm.api.state import ApiState
+from tgi_vlm.router.requests import RequestParams
+
+router = APIRouter()
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+def info(state: ApiState) -> dict:
+    """TGI's `Info` fields. The pipeline tag is the model's kind (TGI reads it from the hub)."""
+    config = state.config
+    return {
+        "model_id": config.model_id,
+        "model_sha": None,
+        "model_pipeline_tag": "image-text-to-text" if state.takes_images else "text-generation",
+        "max_concurrent_requests": config.max_concurrent_requests,
+        "max_best_of": config.max_best_of,
+        "max_stop_sequences": config.max_stop_sequences,
+        "max_input_tokens": state.lengths.max_input_tokens,
+        "max_total_tokens": state.lengths.max_total_tokens,
+        "validation_workers": config.validation_workers,
+        "max_client_batch_size": config.max_client_batch_size,
+        "router": "tgi-vlm",
+        "version": __version__,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+@router.get("/info")
+async def get_info(request: Request) -> JSONResponse:
+    return JSONResponse(info(state_of(request)))
+
+
+@router.get("/health")
+@router.get("/ping")
+@router.get("/")
+async def health(request: Request) -> Response:
+    """200 with an empty body when the shard answers its Health RPC, else 503 (TGI's body)."""
+    try:
+        await asyncio.wait_for(state_of(request).router.client.health(), HEALTH_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - any failure to reach the shard is "unhealthy"
+        raise unhealthy() from None
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def get_metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(body: GenerateRequest, request: Request) -> JSONResponse:
+    """Plain text: ids with character offsets. With images: the ids the shard will see (placeholders
+    expanded by the processor), without offsets (start = stop = 0), as TGI answers without them."""
+    state = state_of(request)
+    if state.takes_images and "![](" in body.inputs:
+        chunks = await state.images.chunks(body.inputs)
+        ids = await state.infer.validator.input_ids(RequestParams(chunks))
+        texts = state.counter.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse([{"id": i, "text": t, "start": 0, "stop": 0} for i, t in zip(ids, texts)])
+    tokens = await asyncio.to_thread(state.counter.offsets, body.inputs)
+    return JSONResponse([{"id": i, "text": body.inputs[a:b], "start": a, "stop": b} for i, a, b in tokens])
