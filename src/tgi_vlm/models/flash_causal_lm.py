@@ -17,7 +17,7 @@ from loguru import logger
 from tgi_vlm.blocks import BlockPool
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.errors import InvalidArgument, InvalidBatch, InvalidRequest
-from tgi_vlm.generation import choose_tokens, prefill_logprobs, top_n
+from tgi_vlm.generation import GrammarCompiler, GrammarMasker, choose_tokens, prefill_logprobs, top_n
 from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache, make_backend
 from tgi_vlm.models import intake
 from tgi_vlm.models.intake import TokenizedPrompt
@@ -42,6 +42,7 @@ class FlashCausalLMBatch:
     @classmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: FlashCausalLM, *, warmup: bool = False) -> FlashCausalLMBatch:
         """Validate and tokenize every request before allocating anything; all errors are reported together."""
+        intake.start_grammars(model, pb.requests)  # compile off the model thread while we tokenize
         errors: list[InvalidRequest] = []
         prepared = []
         seen: set[int] = set()
@@ -132,6 +133,10 @@ class FlashCausalLM(ShardModel):
         self.vocab_size = int(self.text_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.outputs = OutputBuilder(tokenizer, set(tokenizer.all_special_ids))
+        # Built once per model: the tokenizer's llguidance vocabulary, the compile pool and cache.
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids, config.grammar)
+        self.grammar_masker = GrammarMasker(self.vocab_size, self.grammars.mask_words, self.eos_token_ids,
+                                            config.grammar.threads)
         self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype)
         self.attention = make_backend(config.attention, self.attention_pattern())
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
@@ -301,7 +306,9 @@ class FlashCausalLM(ShardModel):
         logits = self.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
         if self.logits_observer is not None:
             self.logits_observer([w.seq.request_id for w in samplers], logits)
-        chosen = choose_tokens(logits, [w.seq.chooser for w in samplers], [w.seq.all_ids for w in samplers])
+        allowed = self.grammar_masker.allowed([w.seq.grammar for w in samplers], logits.device)  # [B, V] | None
+        chosen = choose_tokens(logits, [w.seq.chooser for w in samplers], [w.seq.all_ids for w in samplers],
+                               allowed=allowed)
         generations = []
         for i, w in enumerate(samplers):
             seq = w.seq
