@@ -2,9 +2,9 @@
 criteria, incremental detokenization and reported logprobs. Pure PyTorch (+ llguidance); no gRPC here."""
 
 from tgi_vlm.generation.chooser import ChosenTokens, TokenChooser, choose_tokens
+from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, token_texts
 from tgi_vlm.generation.grammar import GrammarMasker, GrammarState, GrammarType
 from tgi_vlm.generation.grammar_compiler import CompiledGrammar, GrammarCompiler, GrammarError
-from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, token_texts
 from tgi_vlm.generation.logits_process import LogitsPipeline, Watermark
 from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
 from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters

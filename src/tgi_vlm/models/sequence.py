@@ -22,10 +22,15 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
 from loguru import logger
 
-from tgi_vlm.generation import FinishReason, GrammarState, IncrementalDetokenizer, StoppingCriteria, TokenChooser
+from tgi_vlm.generation import (
+    FinishReason,
+    GrammarState,
+    IncrementalDetokenizer,
+    StoppingCriteria,
+    TokenChooser,
+)
 from tgi_vlm.models.image_spans import ImageSpan
 
 
