@@ -98,8 +98,7 @@ class GrammarCompiler:
     def state_for(self, kind: int, text: str) -> GrammarState:
         """A fresh state of the grammar, waiting for its compile until its deadline at most."""
         key = self._check(kind, text)
-        if key not in self._cache:
-            self.start(kind, text)
+        self.start(kind, text)  # a cache hit becomes the most recently used
         pending = self._cache[key]
         try:
             compiled = pending.future.result(timeout=max(0.0, pending.deadline - time.monotonic()))
