@@ -61,6 +61,25 @@ PROFILE: dict[str, Any] = {
     "additionalProperties": False,
 }
 
+# Short outputs (tens of tokens) for engine tests: nested, an enum, a boolean, a bounded string
+# and a pattern, no unbounded number (random models may write digits for a long time).
+BADGE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "role": {"type": "string", "enum": ["admin", "user"]},
+        "active": {"type": "boolean"},
+        "door": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[0-9]{3}$"}},
+            "required": ["code"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "role", "active", "door"],
+    "additionalProperties": False,
+}
+
 
 def router_regex(schema: dict[str, Any]) -> str:
     """The regex TGI's router sends for `schema` (GRAMMAR_TYPE_REGEX)."""
