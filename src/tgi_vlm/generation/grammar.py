@@ -7,8 +7,8 @@ is never matched — and is advanced with every token the request generates (`ad
 
 Each step, `GrammarMasker.allowed` turns the states of the rows being sampled into one
 `[B, V]` bool mask: one bitmask filled for all grammar rows at once (llguidance's thread pool,
-GIL released), then unpacked on the logits' device. Rows without a grammar are all True. The
-chooser applies it after the penalties and before the warpers (TGI's order).
+GIL released), unpacked on the host and moved to the logits' device. Rows without a grammar are
+all True. The chooser applies it after the penalties and before the warpers (TGI's order).
 
 What the mask allows (llguidance, as TGI's outlines FSM did): tokens whose text keeps the output a
 prefix of some string of the grammar; never special tokens; EOS only where the output so far is
@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from enum import IntEnum
 
 import llguidance
+import numpy as np
 import torch
 
 
@@ -66,7 +67,11 @@ class GrammarState:
 
 
 class GrammarMasker:
-    """Builds one step's allowed-token mask for a batch. One per model (owns llguidance's thread pool)."""
+    """Builds one step's allowed-token mask for a batch. One per model (owns llguidance's thread pool).
+
+    The mask is built on the host with numpy (one unpack, no torch ops: torch's intra-op thread
+    pool would add a barrier per small op) and moved to the logits' device once, `[B, V]` bool.
+    """
 
     def __init__(self, vocab_size: int, mask_words: int, eos_token_ids: Iterable[int], threads: int) -> None:
         """`vocab_size`: the logits' width; `mask_words`: int32 words per llguidance mask row
@@ -79,40 +84,28 @@ class GrammarMasker:
         self.words = mask_words
         self.eos_token_ids = sorted(i for i in eos_token_ids if i < vocab_size)
         self.executor = llguidance.LLExecutor(threads)
-        self._bit_tables: dict[torch.device, torch.Tensor] = {}
 
     def allowed(self, states: Sequence[GrammarState | None], device: torch.device | str) -> torch.Tensor | None:
         """[B, V] bool, True where row i's grammar allows the token; None when no row has a grammar."""
         rows = [i for i, state in enumerate(states) if state is not None]
         if not rows:
             return None
-        bitmask = torch.empty(len(rows), self.words, dtype=torch.int32)  # [G, W], host
+        bitmask = np.empty((len(rows), self.words), dtype=np.int32)  # [G, W]
         jobs = [(states[i].matcher, k) for k, i in enumerate(rows)]
-        self.executor.unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), self.words * 4, len(rows))
-        allowed = torch.ones(len(states), self.vocab_size, dtype=torch.bool, device=device)
-        allowed[torch.tensor(rows, device=device)] = self._unpack(bitmask.to(device, non_blocking=True))
-        return self._never_empty(allowed)
+        self.executor.unsafe_compute_mask_ptr(jobs, bitmask.ctypes.data, self.words * 4, len(rows))
+        allowed = np.ones((len(states), self.vocab_size), dtype=bool)
+        allowed[rows] = self._never_empty(self.unpack(bitmask))
+        return torch.from_numpy(allowed).to(device, non_blocking=True)
 
-    def _unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
+    def unpack(self, bitmask: np.ndarray) -> np.ndarray:
         """[G, W] int32 bitmask (bit j of word w = token 32w + j) → [G, V] bool."""
-        as_bytes = bitmask.view(torch.uint8).long()  # [G, 4W]; little-endian: byte k holds tokens 8k..8k+7
-        bits = self._bit_table(bitmask.device)[as_bytes]  # [G, 4W, 8]
-        return bits.reshape(bitmask.shape[0], -1)[:, : self.vocab_size]
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")  # little-endian words
+        return bits[:, : self.vocab_size].astype(bool)
 
-    def _bit_table(self, device: torch.device) -> torch.Tensor:
-        """[256, 8] bool: bit j of byte value b."""
-        table = self._bit_tables.get(device)
-        if table is None:
-            values = torch.arange(256, device=device)[:, None]
-            table = (values >> torch.arange(8, device=device)) & 1 == 1
-            self._bit_tables[device] = table
-        return table
-
-    def _never_empty(self, allowed: torch.Tensor) -> torch.Tensor:
+    def _never_empty(self, allowed: np.ndarray) -> np.ndarray:
         """A row with nothing allowed would sample from NaNs; llguidance always allows EOS when it
-        allows nothing else, so this only guards the invariant: such a row gets EOS (no host sync)."""
-        if self.eos_token_ids:
-            empty = ~allowed.any(dim=-1, keepdim=True)  # [B, 1]
-            eos = torch.tensor(self.eos_token_ids, device=allowed.device)
-            allowed[:, eos] |= empty
+        allows nothing else, so this only guards the invariant: such a row gets EOS."""
+        empty = ~allowed.any(axis=-1)
+        if self.eos_token_ids and empty.any():
+            allowed[np.ix_(empty.nonzero()[0], self.eos_token_ids)] = True
         return allowed
