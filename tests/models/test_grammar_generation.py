@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import jsonschema
 import pytest
@@ -16,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.models.reference import hf_greedy
+from tgi_vlm.config import GrammarLimits
 from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.generation import FinishReason, GrammarType
 from tgi_vlm.testing import tiny_model_path
@@ -163,3 +165,16 @@ def test_a_bad_grammar_joining_a_running_batch_is_refused_alone(engine):
     runner.run()
     assert runner.tokens[0] == alone.tokens[0] and runner.tokens[1] == alone.tokens[1]
     assert re.fullmatch(ANSWER, runner.finished[6].text)
+
+
+def test_a_grammar_over_its_compile_deadline_is_refused_without_holding_the_batch_longer(engine, monkeypatch):
+    monkeypatch.setattr(engine.grammars, "limits", GrammarLimits(compile_timeout_s=0.3))
+    slow = engine.grammars._compile
+    monkeypatch.setattr(engine.grammars, "_compile", lambda kind, text: time.sleep(0.8) or slow(kind, text))
+    start = time.monotonic()
+    with pytest.raises(InvalidBatch) as refused:
+        engine.batch_from_pb(make_batch(1, [grammar_request(i, f"slow{i}+", REGEX) for i in range(3)]))
+    assert time.monotonic() - start < 0.7  # one deadline for the whole batch, not one per grammar
+    assert refused.value.request_ids == [0, 1, 2]
+    assert "did not compile within 0.3 s (TGI_VLM_GRAMMAR_COMPILE_TIMEOUT_S)" in str(refused.value)
+    assert engine.kv_blocks_in_use == 0
