@@ -226,3 +226,12 @@ def test_a_model_without_a_fast_tokenizer_refuses_grammars_with_the_reason():
     compiler = GrammarCompiler(object(), 10, {0}, GrammarLimits())
     with pytest.raises(GrammarError, match="grammars need a fast \\(tokenizers\\) tokenizer; this model has object"):
         compiler.state_for(REGEX, "a")
+
+
+def test_a_batch_sharing_a_grammar_still_compiling_for_an_earlier_one_waits_its_own_deadline(tokenizer):
+    compiler = make_compiler(tokenizer, compile_timeout_s=0.6)
+    counting(compiler, delay=1.0)
+    compiler.start(REGEX, "v+")  # an earlier batch (its request never waited: refused for another reason)
+    time.sleep(0.7)  # that batch's deadline has passed
+    compiler.start(REGEX, "v+")  # the next batch brings the same grammar: 0.6 s from now
+    assert compiler.state_for(REGEX, "v+").is_accepting is False  # compiled at 1.0 s, inside the new deadline

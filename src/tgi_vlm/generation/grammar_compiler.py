@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+from loguru import logger
 
 from tgi_vlm.config import GrammarLimits
 from tgi_vlm.generation.grammar import GrammarState, GrammarType
@@ -75,6 +76,9 @@ class GrammarCompiler:
             self.vocab = build_vocabulary(tokenizer, vocab_size, eos_token_ids)
         except GrammarError as exc:
             self.unavailable = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read must not stop the shard
+            self.unavailable = f"grammars are unavailable for this model's tokenizer ({type(exc).__name__}: {exc})"
+            logger.warning(self.unavailable)
         # Words per mask row: llguidance's vocabulary may be wider than the logits (never narrower).
         self.mask_words = ((self.vocab.vocab_size if self.vocab else vocab_size) + 31) // 32
         self._parser_limits = llguidance.LLParserLimits(verbose_errors=False)
@@ -88,17 +92,23 @@ class GrammarCompiler:
             key = self._check(kind, text)
         except GrammarError:
             return
+        deadline = time.monotonic() + self.limits.compile_timeout_s
         if key in self._cache:
+            pending = self._cache[key]
+            if not pending.future.done():  # still compiling for an earlier batch: this one waits its own time
+                pending.deadline = max(pending.deadline, deadline)
             self._cache.move_to_end(key)
             return
-        deadline = time.monotonic() + self.limits.compile_timeout_s
         self._cache[key] = _Pending(self._pool.submit(self._compile, *key), deadline)
         self._evict()
 
     def state_for(self, kind: int, text: str) -> GrammarState:
         """A fresh state of the grammar, waiting for its compile until its deadline at most."""
         key = self._check(kind, text)
-        self.start(kind, text)  # a cache hit becomes the most recently used
+        if key in self._cache:
+            self._cache.move_to_end(key)  # the most recently used; its deadline stays its batch's
+        else:
+            self.start(kind, text)
         pending = self._cache[key]
         try:
             compiled = pending.future.result(timeout=max(0.0, pending.deadline - time.monotonic()))
