@@ -70,6 +70,34 @@ class InputLimits:
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """Grammar-constrained decoding (README, "Limits"): what a request's grammar may cost.
+
+    A grammar longer than `max_bytes` (UTF-8) or not compiled within `compile_timeout_s` of its
+    batch's arrival is refused; the model thread never waits longer than that for one batch's
+    grammars. Compiled grammars are kept by content (`cache_entries`, least recently used out).
+    `threads` compile grammars (off the model thread) and fill one step's token masks.
+    """
+
+    max_bytes: int = 256 * 1024
+    compile_timeout_s: float = 2.0
+    cache_entries: int = 256
+    threads: int = 2
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GrammarLimits:
+        limits = cls(
+            max_bytes=_int(env, "TGI_VLM_GRAMMAR_MAX_BYTES", cls.max_bytes),
+            compile_timeout_s=_float(env, "TGI_VLM_GRAMMAR_COMPILE_TIMEOUT_S", cls.compile_timeout_s),
+            cache_entries=_int(env, "TGI_VLM_GRAMMAR_CACHE_ENTRIES", cls.cache_entries),
+            threads=_int(env, "TGI_VLM_GRAMMAR_THREADS", cls.threads),
+        )
+        if limits.max_bytes < 1 or limits.compile_timeout_s <= 0 or limits.cache_entries < 1 or limits.threads < 1:
+            raise ValueError(f"grammar limits must be positive, got {limits}")
+        return limits
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the model runner needs: device, dtype, attention, KV cache and generation knobs."""
 
@@ -93,6 +121,7 @@ class EngineConfig:
     # Cross-request vision-encoder cache (content-hash LRU), bytes; 0 disables it.
     encoder_cache_bytes: int = 256 << 20
     limits: InputLimits = field(default_factory=InputLimits)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 
     @property
     def torch_dtype_name(self) -> str:
@@ -122,6 +151,7 @@ class EngineConfig:
             watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),
             encoder_cache_bytes=int(_float(env, "TGI_VLM_ENCODER_CACHE_MB", 256) * (1 << 20)),
             limits=InputLimits.from_env(env),
+            grammar=GrammarLimits.from_env(env),
         )
         values.update(overrides)
         config = cls(**values)

@@ -48,15 +48,18 @@ from tgi_vlm.router import (
 from tgi_vlm.router.tokens import CountError
 from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import jpeg_bytes, make_test_image, png_bytes, tiny_model_path
+from tgi_vlm.testing.schemas import BADGE, router_regex
 
 ARCH = "qwen2_vl"
 # Small limits keep the oversized cases cheap to build and to refuse.
 LIMITS = InputLimits(max_images_per_request=2, max_image_bytes=100_000, max_image_pixels=1_000_000)
+MAX_GRAMMAR_BYTES = 2048
 SHARD_ENV = {
     "TGI_VLM_CPU_KV_CACHE_GB": "0.05", "TGI_VLM_DEVICE": "cpu", "ATTENTION": "paged", "PREFIX_CACHING": "0",
     "TGI_VLM_MAX_IMAGES_PER_REQUEST": str(LIMITS.max_images_per_request),
     "TGI_VLM_MAX_IMAGE_BYTES": str(LIMITS.max_image_bytes),
     "TGI_VLM_MAX_IMAGE_PIXELS": str(LIMITS.max_image_pixels),
+    "TGI_VLM_GRAMMAR_MAX_BYTES": str(MAX_GRAMMAR_BYTES),
 }
 VOCAB = 663  # the tiny Qwen2-VL's vocabulary
 
@@ -95,9 +98,12 @@ def fewer_slots(request: pb.Request) -> None:
     del request.slots[len(request.slots) // 2:]
 
 
-def with_grammar(request: pb.Request) -> None:
-    request.parameters.grammar = '{"type": "object"}'
-    request.parameters.grammar_type = pb.GRAMMAR_TYPE_JSON
+def with_grammar(grammar: str, kind: int) -> Callable[[pb.Request], None]:
+    def tamper(request: pb.Request) -> None:
+        request.parameters.grammar = grammar
+        request.parameters.grammar_type = kind
+
+    return tamper
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,12 @@ REFUSED = {
     "max_new_tokens_over_max_total": Bad(TEXT, f"exceed max_total_tokens {CONFIG.max_total_tokens}",
                                          {"max_new_tokens": CONFIG.max_total_tokens}),
     "fewer_slots_than_tokens": Bad(TEXT, "KV slots", tamper=fewer_slots),
-    "grammar": Bad(TEXT, "grammar-constrained generation is not supported yet", tamper=with_grammar),
+    "grammar_invalid_regex": Bad(TEXT, "invalid REGEX grammar", tamper=with_grammar("(a|b", pb.GRAMMAR_TYPE_REGEX)),
+    "grammar_schema_not_handled": Bad(TEXT, "invalid JSON grammar",
+                                      tamper=with_grammar('{"type": "string", "format": "shoe-size"}',
+                                                          pb.GRAMMAR_TYPE_JSON)),
+    "grammar_over_size_limit": Bad(TEXT, f"over the limit of {MAX_GRAMMAR_BYTES} (TGI_VLM_GRAMMAR_MAX_BYTES)",
+                                   tamper=with_grammar("a" * (MAX_GRAMMAR_BYTES + 1), pb.GRAMMAR_TYPE_REGEX)),
 }
 
 # Odd but valid images: converted to RGB, never refused.
@@ -331,6 +342,22 @@ def test_an_odd_but_valid_image_is_converted_and_served(shard, count_tokens, sol
     assert joined.prefills[0] == ([joined.good_ids[0], *joined.odd_ids, joined.good_ids[1]], True)
     ids, final = joined.odd[0]
     assert final.ok and len(ids) == final.generated_tokens == 4, final.error
+    assert_others_as_alone(joined, solo)
+
+
+def test_a_router_shaped_grammar_request_joins_and_its_output_matches(shard, count_tokens, solo):
+    """What TGI's router sends for a `json` grammar: the schema compiled to a regex, ignore_eos false."""
+    regex = router_regex(BADGE)
+    odd = RequestParams(["answer as json"], max_new_tokens=120, grammar=regex, grammar_type=pb.GRAMMAR_TYPE_REGEX)
+
+    async def scenario(router, client):
+        return await join_decoding_batch(router, client, [odd])
+
+    joined = drive(shard.socket, count_tokens, scenario)
+    assert joined.refusals == []
+    ids, final = joined.odd[0]
+    assert final.ok and final.finish_reason == "eos_token", final
+    assert re.fullmatch(regex, final.text), final.text
     assert_others_as_alone(joined, solo)
 
 

@@ -135,3 +135,19 @@ def test_low_precision_logits_choose_like_float32() -> None:
 def test_mismatched_batch_sizes_raise() -> None:
     with pytest.raises(ValueError, match="2 logits rows, 1 choosers"):
         choose_tokens(step_logits(0, rows=2), [chooser()], [[1]])
+
+
+def test_a_grammar_mask_limits_its_rows_and_leaves_the_others_exact() -> None:
+    logits = step_logits(7, rows=3)
+    allowed = torch.ones(3, VOCAB, dtype=torch.bool)
+    allowed[0] = False
+    allowed[0, [5, 9]] = True
+    allowed[2] = False
+    allowed[2, 2] = True
+    for choosers in ([chooser(), chooser(), chooser()], [chooser(), chooser(), chooser(do_sample=True, seed=1)]):
+        out = choose_tokens(logits, choosers, [[1]] * 3, allowed=allowed)
+        assert out.ids[0] == (5 if logits[0, 5] > logits[0, 9] else 9)
+        assert out.ids[1] == int(logits[1].argmax()) and out.ids[2] == 2
+        assert out.logprobs[2] == 0.0  # the only allowed token
+        assert torch.isfinite(out.logprob_rows[0]).nonzero()[:, 0].tolist() == [5, 9]
+        torch.testing.assert_close(out.logprob_rows[1], torch.log_softmax(logits[1], -1), rtol=0, atol=0)

@@ -30,7 +30,8 @@ def test_defaults_and_typical_values_are_valid() -> None:
         ({"typical_p": 2.0}, "typical_p must be in (0, 1], got 2.0"),
         ({"top_k": VOCAB + 1}, f"top_k must be at most the vocabulary size ({VOCAB}), got {VOCAB + 1}"),
         ({"repetition_penalty": -1.0}, "repetition_penalty must be > 0, got -1.0"),
-        ({"grammar": "[a-z]+"}, "grammar-constrained generation is not supported yet"),
+        ({"grammar": "[a-z]+"}, "a grammar is given with grammar_type NONE; say JSON (1) or REGEX (2)"),
+        ({"grammar": "[a-z]+", "grammar_type": 7}, "grammar_type 7 is unknown (0 NONE, 1 JSON, 2 REGEX)"),
     ],
 )
 def test_each_bad_value_is_reported_by_name(params: dict, message: str) -> None:
@@ -43,6 +44,13 @@ def test_each_bad_value_is_reported_by_name(params: dict, message: str) -> None:
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_floats_are_reported_once(name: str, value: float) -> None:
     assert problems(**{name: value}) == [f"{name} must be a finite number, got {value}"]
+
+
+def test_grammars_of_both_types_pass_here_and_an_empty_one_means_none() -> None:
+    # The grammar text itself is checked when it compiles (tests/unit/test_grammar_compiler.py).
+    assert problems(grammar="[a-z]+", grammar_type=2) == []
+    assert problems(grammar='{"type": "object"}', grammar_type=1) == []
+    assert problems(grammar="", grammar_type=2) == []  # TGI: an empty grammar is no grammar
 
 
 def test_max_new_tokens_zero_is_rejected() -> None:

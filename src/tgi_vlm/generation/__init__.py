@@ -1,8 +1,10 @@
-"""Token selection and stopping: logits processors, seeded choosers, stopping criteria,
-incremental detokenization and reported logprobs. Pure PyTorch; no gRPC here."""
+"""Token selection and stopping: logits processors, grammar masks, seeded choosers, stopping
+criteria, incremental detokenization and reported logprobs. Pure PyTorch (+ llguidance); no gRPC here."""
 
 from tgi_vlm.generation.chooser import ChosenTokens, TokenChooser, choose_tokens
 from tgi_vlm.generation.detokenizer import IncrementalDetokenizer, token_text, token_texts
+from tgi_vlm.generation.grammar import GrammarMasker, GrammarState, GrammarType
+from tgi_vlm.generation.grammar_compiler import CompiledGrammar, GrammarCompiler, GrammarError
 from tgi_vlm.generation.logits_process import LogitBias, LogitsPipeline, Watermark
 from tgi_vlm.generation.logprobs import prefill_logprobs, top_n
 from tgi_vlm.generation.parameters import SamplingParameters, validate_parameters
@@ -14,7 +16,13 @@ __all__ = [
     "Drafter",
     "NgramDrafter",
     "accepts",
+    "CompiledGrammar",
     "FinishReason",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarMasker",
+    "GrammarState",
+    "GrammarType",
     "IncrementalDetokenizer",
     "LogitBias",
     "LogitsPipeline",

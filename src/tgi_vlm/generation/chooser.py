@@ -71,11 +71,12 @@ class TokenChooser:
         penalty, watermark, logit bias or warper changes the scores)."""
         return not self.do_sample and self.pipeline.is_identity
 
-    def process(self, scores: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """scores [V] → processed scores [V] (a new tensor unless nothing applies)."""
-        if self.pipeline.is_identity:
+    def process(self, scores: torch.Tensor, history: Sequence[int], allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """scores [V] → processed scores [V] (a new tensor unless nothing applies); `allowed` [V] bool
+        is the request's grammar mask, if it has one."""
+        if self.pipeline.is_identity and allowed is None:
             return scores
-        return self.pipeline(scores, history)
+        return self.pipeline(scores, history, allowed)
 
     def sample(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores [V] → chosen id as a 0-d tensor on the scores' device (no host sync)."""
@@ -102,12 +103,14 @@ def choose_tokens(
     histories: Sequence[Sequence[int]],
     *,
     keep_logprob_rows: bool = True,
+    allowed: torch.Tensor | None = None,
 ) -> ChosenTokens:
     """logits [B, V] (any float dtype; processed in float32) → one token per row.
 
     `histories[i]` is every token id of request i so far (prompt + generated); it feeds the
-    penalties and the watermark. When every chooser is greedy-plain this is one batched argmax and
-    one batched log_softmax.
+    penalties and the watermark. `allowed` [B, V] bool (generation/grammar.py) masks the rows of
+    requests with a grammar (rows without one are all True). When every chooser is greedy-plain
+    this is one batched argmax and one batched log_softmax.
     """
     if not len(choosers) == len(histories) == logits.shape[0]:
         raise ValueError(
@@ -116,9 +119,12 @@ def choose_tokens(
         )
     scores = logits.float()  # [B, V]; upcasting never changes an argmax
     if all(chooser.is_greedy_plain for chooser in choosers):
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, -torch.inf)
         ids = scores.argmax(dim=-1)
     else:
-        scores = torch.stack([c.process(row, h) for c, row, h in zip(choosers, scores, histories)])
+        masks = [None] * len(choosers) if allowed is None else allowed
+        scores = torch.stack([c.process(row, h, m) for c, row, h, m in zip(choosers, scores, histories, masks)])
         ids = _pick(scores, choosers)
     rows = torch.log_softmax(scores, dim=-1)  # [B, V]
     logprobs = rows.gather(-1, ids[:, None]).squeeze(-1)

@@ -1,9 +1,9 @@
 """Per-request logits processors.
 
-Applied in TGI's order: watermark, repetition penalty, frequency penalty, logit bias, then the
-warpers temperature, top-k, top-p, typical-p. Each function takes `scores` [V] or [B, V] (rows
-that share these settings) and returns a new tensor; the caller's logits are never modified in
-place.
+Applied in TGI's order: watermark, repetition penalty, frequency penalty, the grammar's allowed
+tokens, logit bias, then the warpers temperature, top-k, top-p, typical-p. Each function takes
+`scores` [V] or [B, V] (rows that share these settings) and returns a new tensor; the caller's
+logits are never modified in place.
 `history` is the request's token ids so far (prompt + generated), [L] or [B, L].
 The warpers reproduce transformers' `*LogitsWarper` classes (filter value -inf).
 """
@@ -133,12 +133,17 @@ class LogitsPipeline:
     def has_warpers(self) -> bool:
         return self.temperature != 1.0 or self.top_k != 0 or self.top_p < 1.0 or self.typical_p < 1.0
 
-    def __call__(self, scores: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
-        """scores [V] or [B, V] → processed scores of the same shape (a new tensor)."""
+    def __call__(self, scores: torch.Tensor, history: Sequence[int] = (),
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """scores [V] or [B, V] → processed scores of the same shape (a new tensor).
+        `allowed` (bool, same shape): a grammar's tokens; the rest become -inf after the penalties
+        and before the warpers, TGI's order."""
         if self.needs_history:
             if len(history) == 0:
                 raise ValueError("penalties and watermarking need at least one token of history")
             scores = self._penalize(scores, history)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, _FILTERED)
         if self.logit_bias is not None:
             scores = self.logit_bias(scores)
         return self._warp(scores)

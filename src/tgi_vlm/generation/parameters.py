@@ -71,8 +71,7 @@ def validate_parameters(params: Any, stopping: Any, vocab_size: int) -> list[str
         problems.append("max_new_tokens must be at least 1")
     if any(s == "" for s in stopping.stop_sequences):
         problems.append("stop_sequences must not contain an empty string")
-    if params.grammar:
-        problems.append("grammar-constrained generation is not supported yet")
+    problems += _grammar_problems(params)
     problems += _logit_bias_problems(params, vocab_size)
     return problems
 
@@ -103,6 +102,17 @@ def _logit_bias_problems(params: Any, vocab_size: int) -> list[str]:
         elif token >= vocab_size:
             problems.append(f"logit_bias key {key!r} is outside the vocabulary (token ids 0..{vocab_size - 1})")
     return problems
+
+
+def _grammar_problems(params: Any) -> list[str]:
+    # As TGI: an empty grammar means none, whatever its type. The grammar itself is checked when
+    # it compiles (generation/grammar_compiler.py).
+    kind = int(params.grammar_type)
+    if kind not in (0, 1, 2):
+        return [f"grammar_type {kind} is unknown (0 NONE, 1 JSON, 2 REGEX)"]
+    if params.grammar and kind == 0:
+        return ["a grammar is given with grammar_type NONE; say JSON (1) or REGEX (2)"]
+    return []
 
 
 def _range_problems(params: Any, vocab_size: int, skip: set[str]) -> list[str]:

@@ -17,7 +17,15 @@ from loguru import logger
 from tgi_vlm.blocks import BlockPool
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.errors import InvalidArgument, InvalidBatch, InvalidRequest
-from tgi_vlm.generation import NgramDrafter, accepts, choose_tokens, prefill_logprobs, top_n
+from tgi_vlm.generation import (
+    GrammarCompiler,
+    GrammarMasker,
+    NgramDrafter,
+    accepts,
+    choose_tokens,
+    prefill_logprobs,
+    top_n,
+)
 from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache, make_backend
 from tgi_vlm.models import intake
 from tgi_vlm.models.intake import TokenizedPrompt
@@ -43,6 +51,7 @@ class FlashCausalLMBatch:
     @classmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: FlashCausalLM, *, warmup: bool = False) -> FlashCausalLMBatch:
         """Validate and tokenize every request before allocating anything; all errors are reported together."""
+        intake.start_grammars(model, pb.requests)  # compile off the model thread while we tokenize
         errors: list[InvalidRequest] = []
         prepared = []
         seen: set[int] = set()
@@ -133,6 +142,10 @@ class FlashCausalLM(ShardModel):
         self.vocab_size = int(self.text_config.vocab_size)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.outputs = OutputBuilder(tokenizer, set(tokenizer.all_special_ids))
+        # Built once per model: the tokenizer's llguidance vocabulary, the compile pool and cache.
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids, config.grammar)
+        self.grammar_masker = GrammarMasker(self.vocab_size, self.grammars.mask_words, self.eos_token_ids,
+                                            config.grammar.threads)
         self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype)
         self.attention = make_backend(config.attention, self.attention_pattern())
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
@@ -334,7 +347,9 @@ class FlashCausalLM(ShardModel):
             seqs = [samplers[i].seq for i in active]
             if self.logits_observer is not None:
                 self.logits_observer([s.request_id for s in seqs], logits)
-            chosen = choose_tokens(logits, [s.chooser for s in seqs], [s.all_ids for s in seqs])
+            # Masks follow each grammar as tokens are appended, so a later row sees the accepted ones.
+            allowed = self.grammar_masker.allowed([s.grammar for s in seqs], logits.device)  # [B, V] | None
+            chosen = choose_tokens(logits, [s.chooser for s in seqs], [s.all_ids for s in seqs], allowed=allowed)
             still = []
             for j, (i, seq) in enumerate(zip(active, seqs)):
                 token = chosen.ids[j]

@@ -2,8 +2,11 @@
 
 Two stages, so that a batch is validated completely before anything is allocated:
 1. tokenize (`FlashCausalLM.tokenize_request`; VLMs: `vlm_intake.py`) → `TokenizedPrompt`;
-2. `make_sequence`: parameters, lengths and slots checked; server blocks claimed only if the
-   router gave none. Every refusal is an `InvalidRequest` naming the request.
+2. `make_sequence`: parameters, lengths and slots checked, the grammar's state taken from its
+   compiled form; server blocks claimed only if the router gave none. Every refusal is an
+   `InvalidRequest` naming the request.
+Grammars compile off the model thread: `start_grammars` starts every request's compile when its
+batch arrives, and `make_sequence` waits for its own at most until the compile deadline.
 `request_chunks` is the one place a request's input is unpacked (engine, router counter, tests).
 """
 
@@ -16,7 +19,14 @@ import torch
 
 from tgi_vlm.blocks import blocks_needed, slots_from_blocks
 from tgi_vlm.errors import InvalidRequest
-from tgi_vlm.generation import IncrementalDetokenizer, StoppingCriteria, TokenChooser, validate_parameters
+from tgi_vlm.generation import (
+    GrammarError,
+    GrammarState,
+    IncrementalDetokenizer,
+    StoppingCriteria,
+    TokenChooser,
+    validate_parameters,
+)
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.pb import generate_pb2
 from tgi_vlm.prefix_hash import ImageRef
@@ -48,11 +58,33 @@ def truncate_ids(ids: list[int], truncate: int) -> list[int]:
     return ids[-truncate:] if truncate and len(ids) > truncate else ids
 
 
+def start_grammars(model: FlashCausalLM, requests) -> None:
+    """Start compiling the grammar of every request that has one (returns at once)."""
+    for request in requests:
+        if request.parameters.grammar:
+            model.grammars.start(request.parameters.grammar_type, request.parameters.grammar)
+
+
+def grammar_state(model: FlashCausalLM, request: generate_pb2.Request) -> GrammarState | None:
+    """The request's grammar in its start state (waits for its compile); None without a grammar."""
+    params = request.parameters
+    if not params.grammar:
+        return None
+    try:
+        return model.grammars.state_for(params.grammar_type, params.grammar)
+    except GrammarError as exc:
+        raise InvalidRequest(request.id, str(exc)) from None
+
+
 def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: TokenizedPrompt, *,
                   liveness: bool = False, warmup: bool = False) -> Sequence:
     ids, rid = prompt.ids, request.id
     stopping = request.stopping_parameters
     check_request(model, request, len(ids))
+    grammar = grammar_state(model, request)
+    criteria = StoppingCriteria.from_params(stopping, model.eos_token_ids)
+    if grammar is not None:
+        criteria.ignore_eos = False  # its grammar allows EOS only once complete, and nothing after it
     # Warmup runs a single forward, so it reserves the prompt plus one token, not max_new_tokens.
     total = len(ids) + (1 if warmup else stopping.max_new_tokens)
     needed_slots = total - 1  # the last generated token is never fed back
@@ -75,7 +107,7 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         chooser=TokenChooser.from_params(request.parameters, device=model.device,
                                          watermark_gamma=model.config.watermark_gamma,
                                          watermark_delta=model.config.watermark_delta),
-        stopping=StoppingCriteria.from_params(stopping, model.eos_token_ids),
+        stopping=criteria,
         detokenizer=IncrementalDetokenizer(model.tokenizer, list(ids)),
         block_table=block_table,
         slot_tensor=torch.tensor(slots[:needed_slots], dtype=torch.long, device=model.device),
@@ -84,6 +116,7 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         mm=prompt.mm,
         num_computed=request.cache_len,  # verified: those positions' K/V are already in the cache
         block_keys=cached_keys,
+        grammar=grammar,
         first_chunk_len=request.chunk_len if request.HasField("chunk_len") else None,
         prefill_logprobs=request.prefill_logprobs,
         top_n_tokens=request.top_n_tokens,

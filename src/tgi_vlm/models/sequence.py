@@ -6,7 +6,8 @@ chunks); afterwards each step feeds the last generated token. A step samples a t
 the step's window reaches the end of `all_ids`.
 
 State moves only through the named transitions: `advance(n)` after a forward computed n more
-tokens, `append_token(id)` when a token is sampled (detokenize, check stopping, maybe finish),
+tokens, `append_token(id)` when a token is sampled (advance the grammar, detokenize, check stopping, maybe
+finish),
 `take_prefill_logprobs()` once when the first token is reported.
 
 Ownership: the intake (`models/intake.py`) creates a sequence and its KV slots (server-allocated
@@ -21,8 +22,15 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from loguru import logger
 
-from tgi_vlm.generation import FinishReason, IncrementalDetokenizer, StoppingCriteria, TokenChooser
+from tgi_vlm.generation import (
+    FinishReason,
+    GrammarState,
+    IncrementalDetokenizer,
+    StoppingCriteria,
+    TokenChooser,
+)
 from tgi_vlm.models.image_spans import ImageSpan
 from tgi_vlm.prefix_hash import ImageRef
 
@@ -74,6 +82,9 @@ class Sequence:
     slot_list: list[int]  # the same slots on the host (block records, no device reads)
     owns_blocks: bool  # blocks came from the server's pool and go back to it
     mm: MultimodalState | None = None  # None for text-only models
+    # The request's grammar, from its first generated token on (the prompt is never matched);
+    # advanced by append_token. None without a grammar.
+    grammar: GrammarState | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     first_chunk_len: int | None = None  # router's chunk_len for the first prefill
     started: bool = False  # a forward has run for this sequence (later chunks are sized by the server)
@@ -144,6 +155,10 @@ class Sequence:
     def append_token(self, token_id: int) -> tuple[str, FinishReason | None]:
         """Add a sampled token: (its new text, the finish reason if it ends the request)."""
         self.all_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.advance(token_id):
+            # Never for a masked choice; a matcher over its per-step budget ends here (EOS only from now).
+            logger.warning("request {}: its grammar stopped at token {}: {}", self.request_id, token_id,
+                           self.grammar.error or "token not allowed")
         new_text = self.detokenizer.step(self.all_ids)
         reason = self.stopping(token_id, new_text)
         if reason is not None:

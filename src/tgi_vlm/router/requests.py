@@ -31,6 +31,8 @@ class RequestParams:
     top_n_tokens: int = 0
     watermark: bool = False
     add_special_tokens: bool = True  # TGI's chat route sends False (the template holds the specials)
+    grammar: str = ""  # as TGI's router sends it: a regex (GRAMMAR_TYPE_REGEX, 2) or a JSON Schema (1)
+    grammar_type: int = 0
 
     def to_pb(self, request_id: int, allocation=None, chunk_len: int | None = None) -> pb.Request:
         return build_request(
@@ -39,6 +41,7 @@ class RequestParams:
                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, typical_p=self.typical_p,
                 do_sample=self.do_sample, seed=self.seed, repetition_penalty=self.repetition_penalty,
                 frequency_penalty=self.frequency_penalty, watermark=self.watermark,
+                grammar=self.grammar, grammar_type=self.grammar_type,
             ),
             max_new_tokens=self.max_new_tokens, stop_sequences=self.stop_sequences, ignore_eos=self.ignore_eos,
             truncate=self.truncate, prefill_logprobs=self.prefill_logprobs, top_n_tokens=self.top_n_tokens,
