@@ -15,8 +15,10 @@ cached; that batch must decode on to its solo tokens, and Warmup (refused while 
 must succeed at the end.
 
 Encoder-cache entries and server-held KV blocks are not visible over gRPC: the in-process tests at
-the end replay every image kind (and the text-only model's refusal) against an engine served on a
-socket in this process, and check the encoder cache, the KV allocator and the batch cache are empty.
+the end replay every image kind (and the text-only model's refusal) through the driver against an
+engine served on a socket in this process, and check the encoder cache and the batch cache are empty
+(the driver's requests carry router blocks, which its allocator accounts for); and they replay every
+call-level kind, whose requests carry no blocks, checking that the shard's own KV blocks came back.
 """
 
 from __future__ import annotations
@@ -406,23 +408,29 @@ async def decode_to_end(client: ShardClient, response, tokens: dict[int, list[in
             tokens.setdefault(rid, []).extend(ids)
 
 
+async def wrong_call_while_a_batch_decodes(client: ShardClient, kind: str) -> dict[int, list[int]]:
+    """Batch 1 (RUNNING[0], request 1) is cached; the wrong call is refused; the good requests 10 and 11
+    join batch 1 and everything decodes to the end. No request carries blocks: the shard allocates."""
+    call, code, words = CALLS[kind]
+    first = await client.prefill(pb.Batch(id=1, requests=[RUNNING[0].to_pb(1)], size=1))
+    tokens = generated(first)
+    error = await rpc_error(call(client, first.batch))
+    assert error.code() == code and words in error.details(), error.details()
+    response = await client.prefill(good_batch(2, 10), first.batch)  # good requests join the batch
+    for rid, ids in generated(response).items():
+        tokens.setdefault(rid, []).extend(ids)
+    await decode_to_end(client, response, tokens)
+    return tokens
+
+
 @pytest.mark.parametrize("kind", list(CALLS))
 def test_a_wrong_call_is_refused_and_the_cached_batch_decodes_on(shard, solo, kind):
-    call, code, words = CALLS[kind]
-
     async def scenario():
         client = ShardClient(shard.socket)
         try:
             await client.clear_cache(None)
             await client.warmup(warmup_request(200, 256, 300))  # Warmup with nothing cached: OK
-            first = await client.prefill(pb.Batch(id=1, requests=[RUNNING[0].to_pb(1)], size=1))
-            tokens = generated(first)
-            error = await rpc_error(call(client, first.batch))
-            assert error.code() == code and words in error.details(), error.details()
-            response = await client.prefill(good_batch(2, 10), first.batch)  # good requests join the batch
-            for rid, ids in generated(response).items():
-                tokens.setdefault(rid, []).extend(ids)
-            await decode_to_end(client, response, tokens)
+            tokens = await wrong_call_while_a_batch_decodes(client, kind)
             await client.warmup(warmup_request(200, 256, 300))  # refused while anything is cached: nothing is
             return tokens
         finally:
@@ -445,7 +453,7 @@ def in_process(engine, count_tokens, scenario):
     return asyncio.run(main())
 
 
-def test_in_process_every_image_kind_at_once_leaves_no_encoder_entries_blocks_or_batches():
+def test_in_process_every_image_kind_at_once_leaves_no_encoder_entries_or_batches():
     engine = load_engine(ARCH, limits=LIMITS)
     count_tokens = lenient(TokenCounter(str(tiny_model_path(ARCH)), limits=LIMITS))
     refused = {k: b for k, b in REFUSED.items() if any(isinstance(c, bytes) for c in b.chunks)}
@@ -462,8 +470,7 @@ def test_in_process_every_image_kind_at_once_leaves_no_encoder_entries_blocks_or
     assert len(joined.refusals) == 1 and named_requests(joined.refusals[0][1]) == refused_ids
     assert [final.ok for _, final in joined.odd] == [False] * len(refused) + [True] * len(ACCEPTED)
     assert_others_as_alone(joined, solo)
-    assert engine.encoder_cache.num_entries == 0
-    assert engine.kv_blocks_in_use == 0
+    assert engine.encoder_cache.num_entries == 0  # KV blocks were the router's: its allocator is full again
 
 
 def test_in_process_text_only_model_refuses_an_image_and_the_others_finish_as_if_alone():
@@ -486,4 +493,24 @@ def test_in_process_text_only_model_refuses_an_image_and_the_others_finish_as_if
     assert named_requests(details) == set(joined.odd_ids) and "text-only and cannot take image inputs" in details
     assert not joined.odd[0][1].ok
     assert_others_as_alone(joined, solo)
-    assert engine.kv_blocks_in_use == 0
+
+
+def test_in_process_every_wrong_call_leaves_no_server_blocks_encoder_entries_or_batches(solo):
+    """The call-level kinds again, in process: their requests carry no blocks, so the KV blocks are
+    the shard's own and must all be back after each scenario."""
+    engine = load_engine(ARCH, limits=LIMITS)
+
+    async def main():
+        async with running_shard(engine) as served:
+            client = ShardClient(served.config.socket_path())
+            try:
+                await client.warmup(warmup_request(200, 256, 300))
+                for kind in CALLS:
+                    tokens = await wrong_call_while_a_batch_decodes(client, kind)
+                    assert tokens == {1: solo["running0"], 10: solo["good0"], 11: solo["good1"]}, kind
+                    leftovers = (engine.kv_blocks_in_use, engine.encoder_cache.num_entries, served.service.cache.ids())
+                    assert leftovers == (0, 0, []), kind
+            finally:
+                await client.close()
+
+    asyncio.run(asyncio.wait_for(main(), 240))

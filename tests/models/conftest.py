@@ -1,6 +1,8 @@
 """Fixtures shared by the parity modules: each module picks its architectures with an `arch`
-fixture; `engine` loads it once per module and `runner` checks, after every test, that every KV
-block and encoder-cache entry came back."""
+fixture; `engine` loads it once per module and `runner` checks, after every test, that every
+server-allocated KV block (requests sent without blocks, as `make_request` builds them) and every
+encoder-cache entry came back. Blocks a test hands out itself (`prefix_routing.RoutedBlocks`) are
+not the shard's to free and are not counted."""
 
 from __future__ import annotations
 

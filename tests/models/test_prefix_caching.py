@@ -65,13 +65,15 @@ def test_a_shared_system_prompt_is_not_recomputed_and_gives_transformers_tokens(
     assert_matches(runner, 2, reference(SYSTEM + Q2, 6))
 
 
-def test_a_hit_on_blocks_whose_owner_is_still_decoding(runner, routed, reference):
+def test_a_hit_on_blocks_whose_owner_is_still_decoding(runner, routed, reference, computed):
     owner = routed.request(1, (SYSTEM + Q1,), 10)
     runner.prefill([owner])
     runner.step()
     k = common_blocks(routed.prompt_ids((SYSTEM + Q1,)), routed.prompt_ids((SYSTEM + Q3,)), 16)
+    computed.clear()
     runner.prefill([routed.request(2, (SYSTEM + Q3,), 5, prefix_blocks=list(owner.blocks)[:k], cache_len=k * 16)],
                    batch_id=2)
+    assert computed == [1 + len(routed.prompt_ids((SYSTEM + Q3,))) - k * 16]  # the owner's decode + the suffix
     runner.run()
     assert_matches(runner, 1, reference(SYSTEM + Q1, 10))
     assert_matches(runner, 2, reference(SYSTEM + Q3, 5))
@@ -92,19 +94,25 @@ def test_the_whole_prompt_found_recomputes_only_its_last_token(runner, routed, r
 
 
 @pytest.mark.parametrize("chunk", [1, 5])
-def test_chunked_prefill_after_a_hit(engine, runner, routed, reference, chunk):
+def test_chunked_prefill_after_a_hit(engine, runner, routed, reference, computed, chunk):
     blocks = first_run(runner, routed, 1, SYSTEM + Q1)
     k = common_blocks(routed.prompt_ids((SYSTEM + Q1,)), routed.prompt_ids((SYSTEM + Q2,)), 16)
     engine.prefill_budget = chunk
+    computed.clear()
     runner.prefill([routed.request(2, (SYSTEM + Q2,), 4, prefix_blocks=blocks[:k], cache_len=k * 16, chunk_len=chunk)])
     runner.run()
+    suffix = len(routed.prompt_ids((SYSTEM + Q2,))) - k * 16
+    assert computed[0] == chunk and sum(computed) == suffix + 3  # the suffix in chunks, then 3 decode steps
     assert_matches(runner, 2, reference(SYSTEM + Q2, 4))
 
 
-def test_a_prefix_ending_inside_a_block_is_served_when_that_block_holds_the_same_tokens(runner, routed, reference):
+def test_a_prefix_ending_inside_a_block_is_served_when_that_block_holds_the_same_tokens(runner, routed, reference,
+                                                                                       computed):
     blocks = first_run(runner, routed, 1, SYSTEM + Q1)
     k = common_blocks(routed.prompt_ids((SYSTEM + Q1,)), routed.prompt_ids((SYSTEM + Q2,)), 16)
+    computed.clear()
     runner.prefill([routed.request(2, (SYSTEM + Q2,), 4, prefix_blocks=blocks[:k], cache_len=k * 16 - 5)])
+    assert computed == [len(routed.prompt_ids((SYSTEM + Q2,))) - (k * 16 - 5)]
     runner.run()
     assert_matches(runner, 2, reference(SYSTEM + Q2, 4))
 

@@ -157,7 +157,7 @@ def test_the_largest_uint32_slot_is_refused(engine, bs, needed):
 
 
 def test_a_negative_slot_cannot_be_built_and_arrives_from_the_wire_as_2_to_the_32_minus_1(engine, bs, needed):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Value out of range: -1"):
         pb.Request(slots=[-1])
     bad = request(slots=range(bs, bs + needed - 1), blocks=[1])
     # Field 10 (slots), wire type 0 (varint), value -1 as a ten-byte two's complement varint.

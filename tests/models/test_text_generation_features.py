@@ -105,7 +105,6 @@ def test_router_shaped_warmup_runs_its_batch_and_returns_the_limits_it_was_given
     assert supported == warmed.kv_cache.num_blocks * warmed.config.block_size
     assert warmed.kv_cache.num_blocks == (32 << 20) // warmed.kv_spec.bytes_per_block
     assert warmed.prefill_budget == 80
-    assert warmed.kv_blocks_in_use == 0
 
 
 def test_warmup_without_limits_derives_them_from_the_cache_and_the_position_limit(warmed):
@@ -113,7 +112,6 @@ def test_warmup_without_limits_derives_them_from_the_cache_and_the_position_limi
     assert supported == warmed.kv_cache.num_blocks * warmed.config.block_size
     assert max_total == min(supported, warmed.text_config.max_position_embeddings) == 4096
     assert max_input == max_total - 1
-    assert warmed.kv_blocks_in_use == 0
 
 
 def test_the_engine_generates_correctly_after_warmup(warmed, hf):

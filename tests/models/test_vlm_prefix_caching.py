@@ -32,6 +32,15 @@ def routed(engine):
 
 
 @pytest.fixture
+def computed(engine, monkeypatch):
+    """Tokens fed to the model per step (what the forward actually computed)."""
+    sizes: list[int] = []
+    real = engine.embed_step
+    monkeypatch.setattr(engine, "embed_step", lambda batch, step: sizes.append(step.input_ids.numel()) or real(batch, step))
+    return sizes
+
+
+@pytest.fixture
 def encodes(engine, monkeypatch):
     calls: list[int] = []
     real = engine.adapter.encode
@@ -73,7 +82,7 @@ def refusal(engine, request) -> str:
 
 
 def test_a_second_turn_reuses_the_first_turns_blocks_and_gives_transformers_tokens(
-        engine, runner, routed, arch, encodes):
+        engine, runner, routed, arch, encodes, computed):
     blocks = run_first(runner, routed, TURN1)
     k = usable_blocks(engine, routed, TURN1, TURN2)
     if arch == "paligemma":
@@ -83,7 +92,10 @@ def test_a_second_turn_reuses_the_first_turns_blocks_and_gives_transformers_toke
     assert k >= 1
     span = engine.tokenize_request(routed_request_stub(TURN2)).images[0]
     encodes.clear()
+    computed.clear()
+    engine.encoder_cache.clear_shared()  # so that only the prefix can spare the vision tower
     runner.prefill([routed.request(2, TURN2, 5, prefix_blocks=blocks[:k], cache_len=k * BS)])
+    assert computed == [len(routed.prompt_ids(TURN2)) - k * BS]  # only the uncached suffix went through the model
     runner.run()
     assert_matches(runner, 2, hf_reference(arch, TURN2, 5))
     assert (encodes == []) == (span.end <= k * BS)  # an image wholly inside the prefix is not encoded again
@@ -93,17 +105,21 @@ def test_the_same_token_ids_with_a_different_image_never_reuse_the_first_images_
     blocks = run_first(runner, routed, TURN1)
     twin = (TURN1[0], OTHER_IMG, TURN1[2])
     assert routed.prompt_ids(twin) == routed.prompt_ids(TURN1)  # a token-id radix tree would offer these blocks
-    k = common_blocks(routed.prompt_ids(TURN1), routed.prompt_ids(twin), BS)
+    if arch == "paligemma":  # every block boundary lies inside its bidirectional prefix: refused for that first
+        k, reason = common_blocks(routed.prompt_ids(TURN1), routed.prompt_ids(twin), BS), "bidirectional"
+    else:  # a boundary outside any bidirectional block, after the image: only the image's content tells them apart
+        k, reason = usable_blocks(engine, routed, TURN1, twin), "holds other content"
+        assert engine.tokenize_request(routed_request_stub(twin)).images[0].end <= k * BS
     cache_len = min(k * BS, len(routed.prompt_ids(twin)) - 1)  # whole prompt found: TGI sends input_length - 1
     message = refusal(engine, routed.request(2, twin, 4, prefix_blocks=blocks[:k], cache_len=cache_len))
-    assert "request 2" in message
-    assert ("holds other content" in message) or ("bidirectional" in message)
+    assert "request 2" in message and reason in message, message
     runner.prefill([routed.request(3, twin, 5)])
     runner.run()
     assert_matches(runner, 3, hf_reference(arch, twin, 5))
 
 
-def test_a_prefix_may_end_inside_an_image_span_unless_the_image_attends_both_ways(engine, runner, routed, arch):
+def test_a_prefix_may_end_inside_an_image_span_unless_the_image_attends_both_ways(engine, runner, routed, arch,
+                                                                                 computed):
     for pad in range(BS):
         head = ("a " * pad + "Look ", IMG, " and describe it.")
         span = engine.tokenize_request(routed_request_stub(head)).images[0]
@@ -118,9 +134,17 @@ def test_a_prefix_may_end_inside_an_image_span_unless_the_image_attends_both_way
     first, second = (*head, " The first question ends here."), (*head, " A second, different question.")
     blocks = run_first(runner, routed, first)
     request = routed.request(2, second, 4, prefix_blocks=blocks[: cut // BS], cache_len=cut)
+    computed.clear()
     if inside_group(engine, second, cut):
         assert "bidirectional" in refusal(engine, request)
         return
     runner.prefill([request])
+    assert computed == [len(routed.prompt_ids(second)) - cut]
     runner.run()
     assert_matches(runner, 2, hf_reference(arch, second, 4))
+
+
+def test_info_never_offers_prefix_caching_for_a_vlm_even_when_the_launcher_asks(engine, monkeypatch):
+    """TGI's router keys prefixes on token ids, blind to images (README, `cache_len` is verified)."""
+    monkeypatch.setattr(engine, "config", engine.config.__class__(**{**engine.config.__dict__, "prefix_caching": True}))
+    assert engine.info().use_prefix_caching is False

@@ -61,6 +61,7 @@ class FakeBatch:
 class FakeModel(ShardModel):
     def __init__(self) -> None:
         self.released: list[int] = []  # batch ids, in release order
+        self.built: list[int] = []  # batch ids batch_from_pb built, in order
         self.forwards: list[list[int]] = []  # request ids of each forward
         self.fail_next_forward: Exception | None = None
         self.forward_started = threading.Event()
@@ -78,6 +79,7 @@ class FakeModel(ShardModel):
         if errors:
             raise InvalidBatch(errors)
         requests = [FakeRequest(r.id, r.stopping_parameters.max_new_tokens) for r in pb.requests]
+        self.built.append(pb.id)
         return FakeBatch(pb.id, requests, self)
 
     def concatenate(self, batches: list[FakeBatch]) -> FakeBatch:

@@ -30,6 +30,17 @@ async def _generate(stub, batch_id: int, request_id: int, n: int) -> list[int]:
     return tokens
 
 
+def fail_in_the_language_model(engine, exc: Exception, seen: list[tuple[int, int]]):
+    """Raise `exc` from the language model, after the step's images were encoded into the encoder
+    cache; `seen` gets (server blocks held, encoder entries) at that moment."""
+
+    def hook(module, args, kwargs):
+        seen.append((engine.kv_blocks_in_use, engine.encoder_cache.num_entries))
+        raise exc
+
+    return engine.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def test_exception_in_forward_fails_only_that_call_and_frees_memory():
     engine = load_engine("qwen2_vl")
     expected = hf_reference("qwen2_vl", PROMPT, 5).ids
@@ -38,15 +49,19 @@ def test_exception_in_forward_fails_only_that_call_and_frees_memory():
         async with running_shard(engine) as shard:
             stub = shard.stub
             first = await stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(1, [make_request(1, *PROMPT, max_new_tokens=5)])))
-            real_forward = engine.forward
-            engine.forward = lambda batch, step: (_ for _ in ()).throw(RuntimeError("CUDA out of memory (injected)"))
+            seen: list[tuple[int, int]] = []
+            hook = fail_in_the_language_model(engine, RuntimeError("CUDA out of memory (injected)"), seen)
             err = await rpc_error(stub.Decode(generate_pb2.DecodeRequest(batches=[first.batch])))
+            hook.remove()
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "batch(es) [1]" in err.details() and "released" in err.details()
-            engine.forward = lambda batch, step: (_ for _ in ()).throw(ValueError("injected bug"))
+            hook = fail_in_the_language_model(engine, ValueError("injected bug"), seen)
             err = await rpc_error(stub.Prefill(generate_pb2.PrefillRequest(batch=make_batch(2, [make_request(2, *PROMPT, max_new_tokens=5)]))))
+            hook.remove()
             assert err.code() == grpc.StatusCode.INTERNAL
-            engine.forward = real_forward
+            # Held when each forward failed: batch 1's blocks (its image long done), then batch 2's and its image.
+            blocks = seen[0][0]
+            assert blocks > 0 and seen == [(blocks, 0), (blocks, 1)]
             assert engine.kv_blocks_in_use == 0 and engine.encoder_cache.num_entries == 0
             assert len(shard.service.cache) == 0
             not_found = await rpc_error(stub.Decode(generate_pb2.DecodeRequest(batches=[first.batch])))

@@ -35,7 +35,7 @@ BLOCK_SIZE = 16
 KV_CACHE_GB = 0.05
 LAUNCHER_ENV = {
     "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
-    "CUDA_MEMORY_FRACTION": "1", "PREFIX_CACHING": "0", "ATTENTION": "paged",
+    "CUDA_MEMORY_FRACTION": "1", "PREFIX_CACHING": "1", "ATTENTION": "paged",  # the launcher's default for text
     "TGI_VLM_CPU_KV_CACHE_GB": str(KV_CACHE_GB), "TGI_VLM_DEVICE": "cpu",
 }  # fmt: skip
 # Prompts used for parity with transformers greedy (EOS neither stops nor is masked on either side).
@@ -159,7 +159,7 @@ def test_the_router_startup_sequence(shard):
     shard.stub.ClearCache(pb.ClearCacheRequest())
     info = shard.stub.Info(pb.InfoRequest())
     assert (info.requires_padding, info.support_chunking, info.block_size, info.speculate) == (False, True, 16, 0)
-    assert (info.device_type, info.dtype, info.use_prefix_caching) == ("cpu", "float32", False)
+    assert (info.device_type, info.dtype, info.use_prefix_caching) == ("cpu", "float32", True)  # PREFIX_CACHING=1
     warmup = shard.stub.Warmup(router_warmup(max_input=32, max_prefill=64, max_total=64), timeout=60)
     config = json.loads((shard.model_dir / "config.json").read_text())
     heads = config["num_attention_heads"]

@@ -112,7 +112,7 @@ def test_serve_errors_are_json_records_with_json_output(served):
 
 def test_serve_refuses_an_unknown_dtype(served):
     result = invoke("serve", "/models/m", "--dtype", "float64")
-    assert result.exit_code != 0 and served == []
+    assert result.exit_code == 2 and "Invalid value for '--dtype'" in result.output and served == []
 
 
 def test_serve_refuses_an_unknown_logger_level(served):

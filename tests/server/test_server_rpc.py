@@ -154,8 +154,8 @@ def test_unknown_batch_ids_are_not_found():
             for call in calls:
                 error = await rpc_error(call)
                 assert error.code() == grpc.StatusCode.NOT_FOUND and "batch 5" in error.details()
-            assert model.released == []  # the unknown cached batch is found out before the new one is built
-            assert model.forwards == []
+            assert model.built == []  # the unknown cached batch is found out before the new one is built
+            assert model.released == [] and model.forwards == []
 
     run(scenario)
 
@@ -263,18 +263,18 @@ def test_a_cached_batch_left_by_a_refused_prefill_is_released_unless_the_next_ca
         model = FakeModel()
         async with running_shard(model) as shard:
             await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(1, [1])))
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(5, [5])))  # another batch, never involved
             bad = make_batch(2, [2], inputs="bad")  # the fake model refuses it
             error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=bad, cached_batch=cached(1))))
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert shard.service.cache.ids() == [1]  # untouched by the refusal
+            assert shard.service.cache.ids() == [1, 5]  # untouched by the refusal
             await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(3, [3]), cached_batch=cached(1)))
-            assert 1 in shard.service.cache  # resumed: named by the next call
+            assert shard.service.cache.ids() == [5, 1] and model.released == []  # resumed: named by the next call
 
             error = await rpc_error(shard.stub.Prefill(pb.PrefillRequest(batch=bad, cached_batch=cached(1))))
-            released_before = list(model.released)
             await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(4, [4])))  # TGI-style: a fresh batch
-            assert 1 not in shard.service.cache
-            assert len(model.released) > len(released_before)
+            assert model.released == [1]  # exactly the refused Prefill's cached batch
+            assert shard.service.cache.ids() == [5, 4]
 
     run(scenario)
 

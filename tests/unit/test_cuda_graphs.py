@@ -225,6 +225,7 @@ def test_decode_through_the_stand_in_gives_the_eager_tokens(engine):
     assert tokens == eager_tokens
     assert counting.replays == [4] * 5  # 3 sequences padded to 4, for each of the 5 decode steps
     for rid in tokens:
+        assert len(logits[rid]) == len(eager_logits[rid]) == 6  # every step's logits, graphed ones too
         for a, b in zip(logits[rid], eager_logits[rid]):
             assert (a - b).abs().max().item() < 1e-4
 

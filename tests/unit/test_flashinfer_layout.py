@@ -3,6 +3,9 @@ flattened custom mask. The kernels themselves are checked in tests/gpu."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from tgi_vlm.layers.attention import AttentionMetadata, DecodeGroup, KVCacheSpec, PagedKVCache, PrefillSpan
@@ -70,9 +73,13 @@ def test_custom_mask_applies_the_sliding_window_to_decode_rows():
     assert mask[:6].tolist() == [False] * 4 + [True, True]
 
 
-def test_backend_is_absent_without_cuda(monkeypatch):
+def test_backend_is_absent_without_cuda_even_when_flashinfer_imports(monkeypatch):
+    # An importable flashinfer (a stand-in here) is not enough: without CUDA the torch backend is used.
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flashinfer_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert flashinfer_available() is True  # the same import with CUDA: the check above is what refused
 
 
 def test_softcapped_layers_fall_back_to_the_torch_reference():

@@ -28,6 +28,7 @@ def test_proto3_zeros_give_a_plain_greedy_chooser() -> None:
 def test_warpers_penalties_and_watermark_each_leave_the_plain_path() -> None:
     assert chooser(temperature=0.5).do_sample  # TGI: any warper implies sampling
     assert chooser(top_k=5).do_sample
+    assert chooser(top_p=0.9).do_sample and chooser(typical_p=0.9).do_sample
     assert not chooser(repetition_penalty=1.2).is_greedy_plain
     assert not chooser(frequency_penalty=0.3).is_greedy_plain
     assert not chooser(watermark=True).is_greedy_plain

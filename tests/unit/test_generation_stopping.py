@@ -1,4 +1,4 @@
-"""StoppingCriteria: length, then EOS, then stop sequences (TGI's order)."""
+"""StoppingCriteria: the length limit, then EOS, then stop sequences (TGI's order)."""
 
 from tgi_vlm.generation import FinishReason
 from tgi_vlm.generation.stopping import StoppingCriteria
@@ -54,6 +54,11 @@ def test_stop_sequence_split_over_many_short_texts_after_long_output() -> None:
 def test_length_wins_over_stop_sequence_as_in_tgi() -> None:
     stop = StoppingCriteria({EOS}, max_new_tokens=1, stop_sequences=["x"])
     assert stop(5, "x") is FinishReason.LENGTH
+
+
+def test_eos_wins_over_a_stop_sequence_in_the_same_token_as_in_tgi() -> None:
+    stop = StoppingCriteria({EOS}, max_new_tokens=5, stop_sequences=["</s>"])
+    assert stop(EOS, "</s>") is FinishReason.EOS_TOKEN
 
 
 def test_empty_stop_sequences_are_ignored() -> None:

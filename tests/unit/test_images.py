@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from tgi_vlm.config import InputLimits
 from tgi_vlm.images import ImageError, decode_image
+from tgi_vlm.models.vlm_intake import prompt_parts
+from tgi_vlm.testing.harness import make_request
 
 LIMITS = InputLimits()
 
@@ -39,8 +41,14 @@ def test_every_mode_becomes_rgb(image_bytes):
     assert image.mode == "RGB" and image.size == (8, 8)
 
 
-def test_png_labelled_jpeg_is_sniffed():
-    assert decode_image(encode(Image.new("RGB", (20, 20))), LIMITS).size == (20, 20)
+@pytest.mark.parametrize(("fmt", "label"), [("PNG", "image/jpeg;base64"), ("JPEG", "image/png"), ("PNG", "text/plain")])
+def test_the_format_is_sniffed_and_the_mimetype_label_ignored(fmt, label):
+    """TGI's warmup sends a PNG labelled image/jpeg: the request's label must not decide the decoder."""
+    data = encode(Image.new("RGB", (20, 12), (200, 10, 10)), fmt)
+    request = make_request(1, "see ", data, mimetype=label)
+    assert request.input_chunks.chunks[1].image.mimetype == label
+    parts, images, _ = prompt_parts(request, LIMITS)
+    assert parts == ["see ", None] and images[0].size == (20, 12)
 
 
 @pytest.mark.parametrize(
@@ -58,11 +66,20 @@ def test_bad_bytes_are_refused_with_a_reason(data, reason):
         decode_image(data, LIMITS)
 
 
-def test_pixel_limit_is_checked_before_decoding():
-    bomb = encode(Image.new("1", (20_000, 20_000)))  # tiny file, 400M pixels
+def test_pixel_limit_is_checked_from_the_header_before_decoding(monkeypatch):
+    # 4000×4000 = 16M pixels: over our limit here but under PIL's own bomb guard (~89M warns, ~179M
+    # refuses), so only our header check can refuse it.
+    bomb = encode(Image.new("1", (4000, 4000)))
     assert len(bomb) < 100_000
-    with pytest.raises(ImageError, match="over the limit"):
-        decode_image(bomb, LIMITS)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("pixels were decoded before the check"))
+    with pytest.raises(ImageError, match=r"^image is 4000x4000 = 16000000 pixels, over the limit of 1000000 pixels$"):
+        decode_image(bomb, InputLimits(max_image_pixels=1_000_000))
+
+
+def test_pils_own_bomb_guard_still_refuses_above_twice_its_default_whatever_our_limit():
+    bomb = encode(Image.new("1", (20_000, 20_000)))  # 400M pixels > 2 × Image.MAX_IMAGE_PIXELS (~179M)
+    with pytest.raises(ImageError, match="over the limit of 1000000000 pixels: Image size"):
+        decode_image(bomb, InputLimits(max_image_pixels=10**9))
 
 
 def test_byte_limit():

@@ -39,6 +39,15 @@ def files_of(part: str) -> list[Path]:
     return [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
 
 
+# Where a part may reach into a layer it otherwise stays out of (docs/architecture.md, "Layers"):
+# part → (guarded prefix, the modules under it that part may import).
+ONLY = {
+    "router": ("tgi_vlm.models", ("tgi_vlm.models.intake", "tgi_vlm.models.vlm_intake",
+                                  "tgi_vlm.models.architectures")),
+    "testing": ("tgi_vlm.", ("tgi_vlm.testing", "tgi_vlm.router.requests", "tgi_vlm.images", "tgi_vlm.pb")),
+}
+
+
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
 def test_no_import_runs_upward(part):
     files = files_of(part)
@@ -46,3 +55,11 @@ def test_no_import_runs_upward(part):
     upward = [f"{f.relative_to(SRC)} imports {m}" for f in files for m in sorted(imported_modules(f))
               if m.startswith(FORBIDDEN[part])]
     assert upward == []
+
+
+@pytest.mark.parametrize("part", sorted(ONLY))
+def test_router_and_testing_import_only_the_modules_the_architecture_names(part):
+    guarded, allowed = ONLY[part]
+    outside = [f"{f.relative_to(SRC)} imports {m}" for f in files_of(part) for m in sorted(imported_modules(f))
+               if m.startswith(guarded) and not m.startswith(allowed)]
+    assert outside == []

@@ -1,0 +1,54 @@
+"""The environment variables README's "Limits" table names: their defaults and that each is read;
+and the KV-cache size README's "Warmup" gives for a GPU, from CUDA_MEMORY_FRACTION and TGI_WIGGLE_ROOM."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tgi_vlm.config import EngineConfig, InputLimits, ServerConfig
+from tgi_vlm.models.flash_causal_lm import FlashCausalLM
+
+MiB = 1 << 20
+
+
+def test_defaults_are_the_readmes():
+    config = ServerConfig.from_env("m", {"TGI_VLM_DEVICE": "cpu"})
+    engine = config.engine
+    assert engine.limits == InputLimits(max_images_per_request=16, max_image_bytes=20 * MiB,
+                                        max_image_pixels=64 * MiB)
+    assert (config.max_message_bytes, config.shutdown_grace_s) == (2**31 - 1, 10.0)
+    assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 30, 256 * MiB)
+    assert engine.prefix_caching is False
+
+
+def test_every_variable_is_read():
+    env = {
+        "TGI_VLM_DEVICE": "cpu", "TGI_VLM_MAX_IMAGES_PER_REQUEST": "3", "TGI_VLM_MAX_IMAGE_BYTES": "1000",
+        "TGI_VLM_MAX_IMAGE_PIXELS": "4096", "TGI_VLM_MAX_MESSAGE_BYTES": "5000", "TGI_VLM_SHUTDOWN_GRACE_S": "2.5",
+        "TGI_VLM_CPU_KV_CACHE_GB": "0.5", "TGI_VLM_ENCODER_CACHE_MB": "0", "PREFIX_CACHING": "1",
+    }  # fmt: skip
+    config = ServerConfig.from_env("m", env)
+    engine = config.engine
+    assert engine.limits == InputLimits(max_images_per_request=3, max_image_bytes=1000, max_image_pixels=4096)
+    assert (config.max_message_bytes, config.shutdown_grace_s) == (5000, 2.5)
+    assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 29, 0)
+    assert engine.prefix_caching is True
+
+
+def test_a_malformed_number_names_the_variable():
+    with pytest.raises(ValueError, match="TGI_VLM_MAX_IMAGE_BYTES='lots' is not an integer"):
+        EngineConfig.from_env({"TGI_VLM_DEVICE": "cpu", "TGI_VLM_MAX_IMAGE_BYTES": "lots"})
+
+
+def test_gpu_kv_blocks_follow_tgis_rule_less_the_encoder_cache_budget(monkeypatch):
+    # (free − (1 − CUDA_MEMORY_FRACTION)·total) × TGI_WIGGLE_ROOM − encoder budget, in whole blocks,
+    # plus the blocks of the temporary warmup cache about to be dropped.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))  # (free, total) bytes
+    config = EngineConfig.from_env({"TGI_VLM_DEVICE": "cuda", "CUDA_MEMORY_FRACTION": "0.9", "TGI_WIGGLE_ROOM": "0.8",
+                                    "TGI_VLM_ENCODER_CACHE_MB": str(100 / (1 << 20)), "ATTENTION": "torch"})
+    model = SimpleNamespace(device=torch.device("cuda"), config=config, kv_spec=SimpleNamespace(bytes_per_block=1000))
+    # (60_000 − 0.1 × 100_000) × 0.8 − 100 = 39_900 bytes → 39 blocks, + 3 reclaimable
+    assert FlashCausalLM.default_num_blocks(model, reclaimable_blocks=3) == 42
