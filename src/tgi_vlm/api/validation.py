@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tgi_vlm.api.config import ApiConfig
 from tgi_vlm.api.errors import validation_error
+from tgi_vlm.api.grammar import grammar_fields
 from tgi_vlm.api.images import ImageResolver
 from tgi_vlm.api.schemas import Parameters
 from tgi_vlm.router.requests import RequestParams
@@ -64,6 +65,7 @@ class Validator:
             stop_sequences=list(p.stop), truncate=truncate, prefill_logprobs=p.decoder_input_details,
             top_n_tokens=p.top_n_tokens or 0, watermark=p.watermark, add_special_tokens=add_special_tokens,
         )
+        params.grammar, params.grammar_type = grammar_fields(p.grammar)
         input_length = await self._count(params)
         params.max_new_tokens = self._max_new_tokens(input_length, p.max_new_tokens)
         return ValidRequest(params, input_length, inputs, p.details or p.decoder_input_details,
@@ -101,8 +103,7 @@ class Validator:
         if p.top_n_tokens is not None and p.top_n_tokens > self.config.max_top_n_tokens:
             raise validation_error(f"`top_n_tokens` must be >= 0 and <= {self.config.max_top_n_tokens}. "
                                    f"Given: {p.top_n_tokens}")
-        if p.grammar is not None:
-            raise validation_error("grammar is not supported")
+        grammar_fields(p.grammar)  # 422 when malformed; the shard refuses what does not compile
 
     def _truncate(self, truncate: int | None) -> int:
         limit = self.lengths.max_input_tokens

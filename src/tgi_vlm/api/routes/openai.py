@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tgi_vlm.api import sse
 from tgi_vlm.api.disconnect import unless_disconnected
-from tgi_vlm.api.errors import ApiError, tool_error, validation_error
+from tgi_vlm.api.errors import ApiError, tool_error
+from tgi_vlm.api.grammar import response_format_grammar
 from tgi_vlm.api.responses import OpenAiBodies
 from tgi_vlm.api.routes.generate import state_of
 from tgi_vlm.api.schemas import ChatRequest, CompletionRequest, Parameters
@@ -36,7 +37,7 @@ def chat_parameters(body: ChatRequest) -> Parameters:
         repetition_penalty=None if body.presence_penalty is None else body.presence_penalty + 2.0,
         frequency_penalty=body.frequency_penalty, top_p=body.top_p, max_new_tokens=body.max_tokens,
         stop=body.stop or [], details=True, seed=body.seed, top_n_tokens=body.top_logprobs,
-        **sampling(body.temperature),
+        grammar=response_format_grammar(body.response_format), **sampling(body.temperature),
     )
 
 
@@ -45,8 +46,6 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state = state_of(request)
     if body.tools:
         raise tool_error("tools are not supported (tool calls need grammar-constrained generation)")
-    if body.response_format is not None:
-        raise validation_error("grammar is not supported")
     inputs = state.chat_template.apply(body.messages)
     params = chat_parameters(body)
     logprobs = bool(body.logprobs)
