@@ -256,7 +256,8 @@ VALIDATION = [
     ({"max_new_tokens": MAX_TOTAL}, f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. "
                                     f"Given: 1 `inputs` tokens and {MAX_TOTAL} `max_new_tokens`"),
     ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not allowed for this endpoint"),
-    ({"grammar": {"type": "regex", "value": "a+"}}, "grammar is not supported"),
+    ({"grammar": {"type": "regex", "value": ""}}, "grammar of type `regex` needs a non-empty string `value`"),
+    ({"grammar": {"type": "yaml", "value": "a"}}, "unknown grammar type 'yaml': use `json`, `json_schema` or `regex`"),
 ]
 
 
@@ -265,6 +266,43 @@ def test_invalid_parameters_are_422_with_tgi_validation_body(launch, parameters,
     response = post(launch, "/generate", {"inputs": "a", "parameters": parameters})
     assert (response.status_code, response.json()) == (
         422, {"error": f"Input validation error: {message}", "error_type": "validation"})
+
+
+PHONE = r"\d{3}-\d{4}"
+SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "enum": ["cat", "dog"]},
+                                           "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+          "required": ["animal", "legs"], "additionalProperties": False}
+
+
+def test_a_regex_grammar_shapes_generate_output(launch):
+    import re
+
+    out = generate(launch, "Phone number?", max_new_tokens=30, grammar={"type": "regex", "value": PHONE})
+    assert re.fullmatch(PHONE, out["generated_text"]), out["generated_text"]
+    assert out["details"]["finish_reason"] == "eos_token"
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object", "value": SCHEMA},  # TGI's shape
+    {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}},  # OpenAI's shape
+], ids=["tgi", "openai"])
+def test_chat_response_format_gives_json_that_validates(launch, response_format):
+    import json
+
+    import jsonschema
+
+    body = {"model": "tgi", "messages": [{"role": "user", "content": "Which animal? Answer in JSON."}],
+            "max_tokens": 60, "response_format": response_format}
+    response = post(launch, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_a_grammar_the_shard_cannot_compile_is_a_422_naming_the_problem(launch):
+    response = post(launch, "/generate", {"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": "(a"}}})
+    assert response.status_code == 422, response.text
+    assert response.json()["error_type"] == "validation"
 
 
 def test_validation_errors_reach_each_client_as_its_validation_error(launch):
