@@ -62,6 +62,13 @@ class PrefixStats:
         self.cached_tokens += cache_len
         self.hits += cache_len > 0
 
+    def reset_counters(self) -> None:
+        """Zero the counters (`blocks_cached` is state, not a counter: it stays)."""
+        blocks = self.blocks_cached
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+        self.blocks_cached = blocks
+
     def to_dict(self) -> dict:
         return asdict(self) | {"hit_rate": self.hit_rate}
 
