@@ -147,11 +147,15 @@ def markdown(report: dict, machine_end: dict | None = None) -> str:
     lines = [
         f"# prefix caching — {report['workload']} — {m['date']}",
         "",
-        f"{report['model']}, float32, CPU ({m['cores']} cores, torch threads {m['torch_threads']}); "
+        f"{report['model']}, float32, CPU ({m['cores']} cores, torch threads {m['torch_threads']} in the shard and "
+        f"the router: the shard inherits the environment); "
         f"1-min load average {m['load_avg_1m']:.1f} at the start"
         + (f", {load_end:.1f} at the end" if load_end is not None else "")
         + ". Each mode on a fresh shard; the router driver's prefix cache off, then on.",
         "",
+        *([f"The machine was shared with other work (load above its {m['cores']} cores): absolute figures are "
+           "slower than on a quiet machine and the two modes ran minutes apart under varying load.", ""]
+          if max(m["load_avg_1m"], load_end or 0) > m["cores"] else []),
         f"Workload: {json.dumps(report['spec'])} — {report['requests']} requests.",
         "",
         "| | prefix caching off | on | on / off | target |",
