@@ -217,6 +217,7 @@ def generate(
     uds_path: Annotated[Optional[str], typer.Option(help="Use the shard on this socket (or {path}-0) if it exists; "
                                                          "otherwise start one there")] = None,
     demo: Annotated[bool, typer.Option(help="A built-in prompt and a generated test image")] = False,
+    prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache")] = True,
     logger_level: str = "WARNING",
 ) -> None:
     """Start a shard (as TGI's launcher does), stream one request's tokens, print timings, stop the shard."""
@@ -233,11 +234,13 @@ def generate(
     from tgi_vlm.router.generate import generate as run_generate
     from tgi_vlm.router.generate import timing_lines
     from tgi_vlm.router.requests import RequestParams
+    from tgi_vlm.router.router import RouterConfig
 
     params = RequestParams(chunks=[*images, prompt or ""], max_new_tokens=max_new_tokens, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
     try:
-        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path))
+        config = RouterConfig(prefix_caching=prefix_caching)
+        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config))
     except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: no such model (transformers' loaders)
         _fail(f"{type(exc).__name__}: {exc}")
     for line in timing_lines(result):
@@ -344,9 +347,16 @@ def bench(
     out_dir: Path = Path("benchmarks/results"),
     name: Optional[str] = None,
     logger_level: str = "WARNING",
+    workload: Annotated[str, typer.Option(help="synthetic (vs transformers) | multiturn | shared-prefix "
+                                                   "(the last two: prefix caching off vs on)")] = "synthetic",
+    prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache (synthetic workload)")] = True,
+    system_tokens: Annotated[int, typer.Option(help="Shared system prompt, tokens (shared-prefix: default 256)")] = 0,
+    conversations: Annotated[int, typer.Option(help="multiturn: conversations run concurrently")] = 16,
+    turns: Annotated[int, typer.Option(help="multiturn: turns per conversation (sequential)")] = 4,
 ) -> None:
     """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
-    running launch, --url), vs transformers."""
+    running launch, --url), vs transformers; or (--workload multiturn / shared-prefix) the driver's prefix
+    cache off vs on."""
     import asyncio
 
     from rich.console import Console
@@ -361,14 +371,25 @@ def bench(
     if url and ignore_eos:
         _fail("--url: TGI's HTTP API has no ignore_eos; add --no-ignore-eos (and use it for the direct run you "
               "compare with, so both send the same requests)")
-    spec = WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max, output_min,
-                        output_max, concurrency, rate, seed, ignore_eos)
+    config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+                          max_batch_prefill_tokens=max_batch_prefill_tokens, prefix_caching=prefix_caching)
+
+    def workload_spec(system: int) -> WorkloadSpec:
+        return WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max,
+                            output_min, output_max, concurrency, rate, seed, ignore_eos=ignore_eos,
+                            system_tokens=system)
+
+    if workload in ("multiturn", "shared-prefix"):
+        _bench_prefix(model_id, workload, config, uds_path, out_dir, name, seed=seed, conversations=conversations,
+                      turns=turns, spec=workload_spec(system_tokens or 256))
+        return
+    if workload != "synthetic":
+        _fail(f"unknown --workload {workload!r}; known: synthetic, multiturn, shared-prefix")
+    spec = workload_spec(system_tokens)
     name = name or (f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
                      + ("-http" if url else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     items = make_workload(spec, TokenCounter(model_id).tokenizer)
-    config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                          max_batch_prefill_tokens=max_batch_prefill_tokens)
     console = Console(stderr=True)
     # Not a terminal (CI, a log file): rich draws nothing live, so print plain lines at every 10%.
     progress_type = Progress if console.is_terminal else _PlainProgress
@@ -395,6 +416,39 @@ def bench(
     for line in b.summary_lines(report):
         typer.echo(line)
     for path in b.write_results(report, out_dir, name):
+        typer.echo(f"wrote {path}")
+
+
+def _bench_prefix(model_id: str, workload: str, config, uds_path: str | None, out_dir: Path, name: str | None, *,
+                  seed: int, conversations: int, turns: int, spec) -> None:
+    """The prefix-cache comparison: `workload` with the driver's prefix cache off, then on."""
+    import asyncio
+
+    from rich.console import Console
+
+    from tgi_vlm.router import bench_prefix as bp
+    from tgi_vlm.router.tokens import TokenCounter
+    from tgi_vlm.router.workload import ConversationSpec, make_conversations, make_workload
+
+    tokenizer = TokenCounter(model_id).tokenizer
+    if workload == "multiturn":
+        spec = ConversationSpec(conversations=conversations, turns=turns, seed=seed)
+        items = make_conversations(spec, tokenizer)
+        total = 2 * conversations * turns
+    else:
+        items = make_workload(spec, tokenizer)
+        total = 2 * len(items)
+    name = name or f"prefix-{workload}-{Path(model_id).name}"
+    machine = bp.machine_info()
+    with _PlainProgress(Console(stderr=True)) as progress:
+        task = progress.add_task(f"{workload}, prefix caching off then on", total=total)
+        results = asyncio.run(bp.run_modes(model_id, items, spec, config=config, uds_path=uds_path,
+                                           progress=lambda: progress.advance(task)))
+    report = bp.compare(workload, spec, results, model_id, machine)
+    report["machine_end"] = bp.machine_info()
+    for line in bp.summary_lines(report):
+        typer.echo(line)
+    for path in bp.write(report, out_dir, name):
         typer.echo(f"wrote {path}")
 
 

@@ -9,12 +9,13 @@ from tgi_vlm.router import FinalEvent, Router, RouterConfig, ShardClient
 CONFIG = RouterConfig(max_input_tokens=200, max_total_tokens=300, max_batch_prefill_tokens=256)
 
 
-def drive_router(socket: str, count_tokens, scenario, *, client=lambda c: c, router=Router, timeout: float = 60.0):
+def drive_router(socket: str, count_tokens, scenario, *, client=lambda c: c, router=Router, timeout: float = 60.0,
+                 config: RouterConfig = CONFIG):
     """Run `scenario(router, client)` with a fresh router over `socket`; its allocator must be full after."""
 
     async def main():
         wrapped = client(ShardClient(socket))
-        driver = router(wrapped, count_tokens, CONFIG)
+        driver = router(wrapped, count_tokens, config)
         await driver.start()
         loop = asyncio.create_task(driver.run())
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ class RequestResult:
     submitted: float
     token_times: list[float]
     error: str | None = None
+    turn: int = 0  # conversation turn (0 for single requests)
 
     @property
     def ttft_s(self) -> float | None:
@@ -49,6 +51,8 @@ class ServingResult:
     steps: list[StepRecord]
     calls: dict[str, int]
     profile: dict[str, float] = field(default_factory=dict)  # function → share of shard samples
+    prefix: dict = field(default_factory=dict)  # the router's PrefixStats after the run
+    cpu_s: dict = field(default_factory=dict)  # CPU seconds used during the run: "shard", "router"
 
 
 @dataclass
@@ -71,12 +75,10 @@ async def run_serving(model_id: str, items: list[WorkItem], spec: WorkloadSpec, 
                       progress=None) -> ServingResult:
     async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, config=config) as session:
         router = session.router
-        warm = items[0].params
-        await (await router.submit(type(warm)(warm.chunks, max_new_tokens=2, ignore_eos=True))).final()
-        router.steps.clear()
-        router.calls.clear()
+        await warm_up(router, items[0].image_sizes)
         spy = _start_profiler(session.shard, profile_to)
         results: list[RequestResult | None] = [None] * len(items)
+        cpu = CpuClock(session.shard)
         start = time.perf_counter()
         limit = asyncio.Semaphore(spec.concurrency or len(items))
 
@@ -92,8 +94,46 @@ async def run_serving(model_id: str, items: list[WorkItem], spec: WorkloadSpec, 
 
         await asyncio.gather(*[one(i, item) for i, item in enumerate(items)])
         wall = time.perf_counter() - start
+        used = cpu.used()
         profile = _stop_profiler(spy, profile_to)
-        return ServingResult(wall, results, list(router.steps), dict(router.calls), profile)
+        return ServingResult(wall, results, list(router.steps), dict(router.calls), profile,
+                             router.prefix_stats.to_dict(), used)
+
+
+class CpuClock:
+    """CPU seconds (user + system) used since creation by the shard process we started and by this
+    process (router, token counter): on a shared machine, steadier than wall time."""
+
+    def __init__(self, shard) -> None:
+        self.pid = shard.process.pid if shard is not None and shard.process is not None else None
+        self.start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        times = {"router": time.process_time()}
+        if self.pid is not None:
+            try:
+                fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                times["shard"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return times
+
+    def used(self) -> dict[str, float]:
+        now = self._now()
+        return {k: now[k] - self.start[k] for k in now if k in self.start}
+
+
+async def warm_up(router, image_sizes: list[tuple[int, int]]) -> None:
+    """One short request with images of the workload's first sizes but content of its own (so that
+    it leaves nothing in the prefix cache a measured request could use); then the counters restart."""
+    from tgi_vlm.images import make_test_image, png_bytes
+    from tgi_vlm.router.requests import RequestParams
+
+    images = [png_bytes(make_test_image(w, h, seed=999_983 + k)) for k, (w, h) in enumerate(image_sizes)]
+    await (await router.submit(RequestParams([*images, "warm up"], max_new_tokens=2, ignore_eos=True))).final()
+    router.steps.clear()
+    router.calls.clear()
+    router.prefix_stats.reset_counters()
 
 
 def _start_profiler(shard, out: Path | None) -> subprocess.Popen | None:

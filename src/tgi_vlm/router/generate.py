@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from tgi_vlm.router.requests import FinalEvent, RequestParams, TokenEvent
+from tgi_vlm.router.router import RouterConfig
 from tgi_vlm.router.session import router_session
 
 DEMO_PROMPT = "Describe this image in one sentence."
@@ -38,10 +39,10 @@ class GenerateResult:
 
 
 async def generate(model_id: str, params: RequestParams, *, uds_path: str | None = None,
-                   out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> GenerateResult:
+                   config: RouterConfig | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> GenerateResult:
     start = time.perf_counter()
     print(f"starting {'or connecting to ' if uds_path else ''}the shard for {model_id} ...", file=err, flush=True)
-    async with router_session(model_id, uds_path=uds_path) as session:
+    async with router_session(model_id, uds_path=uds_path, config=config) as session:
         startup_s = time.perf_counter() - start
         where = "started" if session.shard is not None else "connected to"
         print(f"{where} {session.socket} in {startup_s:.1f} s", file=err, flush=True)

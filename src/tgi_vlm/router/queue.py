@@ -1,8 +1,9 @@
 """Waiting requests and the next-batch decision (TGI v3's `Queue::next_batch`).
 
-A request enters a batch only with its KV blocks allocated. Prefill tokens are bounded by the
-budget; with chunking, the request that crosses it joins with `chunk_len` = what is left of the
-budget (the shard prefills the rest in later steps), otherwise it waits.
+A request enters a batch only with its KV blocks allocated. Prefill tokens (prompt minus the
+cached prefix the allocator found, `cache_len`) are bounded by the budget; with chunking, the
+request that crosses it joins with `chunk_len` = what is left of the budget (the shard prefills the
+rest in later steps), otherwise it waits.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tgi_vlm.pb import generate_pb2 as pb
-from tgi_vlm.router.allocator import Allocation, BlockAllocator, tokens_to_reserve
+from tgi_vlm.router.allocator import Allocation, BlockAllocator, PromptBlocks, tokens_to_reserve
 from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, Token
 
 
@@ -26,9 +27,11 @@ class Entry:
     input_len: int
     submitted: float
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    prompt: PromptBlocks | None = None  # block keys for the prefix cache; None: no lookup, no insert
     allocation: Allocation | None = None
     chunk_len: int | None = None
     speculate: int = 0  # the shard's Info.speculate: TGI's router reserves that many more slots
+    prompt_cached: bool = False  # its prompt blocks were offered to the prefix cache (first token received)
     cancelled: bool = False
     done: bool = False
     prefill: tuple[Token, ...] = ()  # prompt tokens with logprobs, once the shard sent them
@@ -59,6 +62,10 @@ class Queue:
     def append(self, entry: Entry) -> None:
         self.waiting.append(entry)
 
+    def push_front(self, entry: Entry) -> None:
+        """Back to the head of the queue (a request the shard refused to take from the cache)."""
+        self.waiting.appendleft(entry)
+
     def remove(self, entry: Entry) -> bool:
         try:
             self.waiting.remove(entry)
@@ -75,17 +82,18 @@ class Queue:
         while self.waiting:
             entry = self.waiting[0]
             room = prefill_budget - prefill_tokens
-            if entry.input_len > room and (not chunking or room <= 0):
+            to_prefill = entry.input_len - self.allocator.cache_len(entry.prompt)
+            if to_prefill > room and (not chunking or room <= 0):
                 break
-            entry.allocation = self.allocator.allocate(entry.tokens_needed)
+            entry.allocation = self.allocator.allocate(entry.tokens_needed, entry.prompt)
             if entry.allocation is None:
                 break
             self.waiting.popleft()
             chosen.append(entry)
-            if entry.input_len > room:  # chunking: prefill what fits now, the shard does the rest
+            if to_prefill > room:  # chunking: prefill what fits now, the shard does the rest
                 entry.chunk_len = room
                 break
-            prefill_tokens += entry.input_len
+            prefill_tokens += to_prefill
             if max_size is not None and len(chosen) >= max_size:
                 break
         if not chosen or (min_size and len(chosen) < min_size):

@@ -49,6 +49,7 @@ class RequestParams:
             blocks=allocation.blocks if allocation is not None else (),
             slots=allocation.slots if allocation is not None else (),
             chunk_len=chunk_len,
+            cache_len=allocation.cache_len if allocation is not None else 0,
         )
 
 
@@ -56,7 +57,7 @@ def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters:
                   max_new_tokens: int = 16, stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                   truncate: int = 0, prefill_logprobs: bool = False, top_n_tokens: int = 0,
                   add_special_tokens: bool = True, blocks: Sequence[int] = (), slots: Sequence[int] = (),
-                  chunk_len: int | None = None, mimetype: str = "image/png") -> pb.Request:
+                  chunk_len: int | None = None, cache_len: int = 0, mimetype: str = "image/png") -> pb.Request:
     """The one place a `generate_pb2.Request` is built from text (str) and image (bytes) chunks in
     prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything)."""
     input_chunks = [
@@ -77,6 +78,7 @@ def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters:
         add_special_tokens=add_special_tokens,
         blocks=list(blocks),
         slots=list(slots),
+        cache_len=cache_len,  # leading positions already in `blocks` (the router's prefix cache)
     )
     if chunk_len is not None:
         request.chunk_len = chunk_len

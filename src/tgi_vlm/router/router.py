@@ -7,9 +7,17 @@ budget minus the running batch's `current_tokens`); without, `Prefill(new)` then
 `Decode([old, new])` → `Decode`.
 
 Failures: a Prefill refused with INVALID_ARGUMENT naming request ids fails just those requests;
-the shard left the cached batch unchanged, so the good ones are resent with it. Any other RPC error
-clears the batches involved and fails their requests. A request's blocks are freed whenever it
-leaves a batch (finished, cancelled, failed).
+the shard left the cached batch unchanged, so the good ones are resent with it. A request refused
+for its `cache_len` claim is not failed: its cached match is dropped (`distrust`) and it goes back
+to the front of the queue without prefix caching (cache_len=0). Any other RPC error clears the
+batches involved and fails their requests. A request's blocks are freed whenever it leaves a batch
+(finished, cancelled, failed, requeued).
+
+Prefix caching (`RouterConfig.prefix_caching`, default on): the allocator is a `PrefixCache`; a
+request's prompt blocks are keyed at submit (token ids + image content hashes, from
+`TokenCounter.tokenize`) and entered into the cache once its first token arrives. VLM shards answer
+Info.use_prefix_caching=false (TGI's router is blind to images); this driver does not need that
+permission, because its keys see images and the shard verifies every claim.
 """
 
 from __future__ import annotations
@@ -27,13 +35,16 @@ import grpc
 from loguru import logger
 
 from tgi_vlm.pb import generate_pb2 as pb
-from tgi_vlm.router.allocator import BlockAllocator
+from tgi_vlm.router.allocator import BlockAllocator, PromptBlocks
 from tgi_vlm.router.client import ShardClient
+from tgi_vlm.router.prefix_cache import PrefixCache, PrefixStats, prompt_blocks
 from tgi_vlm.router.queue import Entry, NextBatch, Queue, min_batch_size
 from tgi_vlm.router.requests import Event, FinalEvent, RequestParams, TokenEvent, tokens_from_pb
+from tgi_vlm.router.tokens import PromptTokens
 from tgi_vlm.router.warmup import warmup_request
 
 _BAD_REQUEST = re.compile(r"request (\d+):")
+_REASON = re.compile(r"request (\d+): (.*?)(?=; request \d+: |$)", re.S)
 MAX_STEP_RECORDS = 100_000  # a long-running server keeps the latest steps only
 
 
@@ -48,6 +59,8 @@ class RouterConfig:
     max_batch_size: int | None = None
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
+    # The driver's own: reuse cached prompt blocks (keyed on token ids + images; the shard verifies).
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -114,11 +127,32 @@ def bad_request_ids(error: grpc.aio.AioRpcError, candidates: set[int]) -> set[in
     return {int(m) for m in _BAD_REQUEST.findall(error.details() or "")} & candidates
 
 
+def refusal_reasons(details: str) -> dict[int, str]:
+    """Request id → reason, from "... request <id>: <reason>; request <id>: <reason>"."""
+    return {int(rid): reason for rid, reason in _REASON.findall(details or "")}
+
+
+def cacheable_prompt(prompt: PromptTokens | int, params: RequestParams, block_size: int) -> PromptBlocks | None:
+    """The prompt's block keys for the prefix cache, or None: a bare length cannot be keyed, and
+    requests with prefill logprobs get no lookup and no insert (as in TGI: cached positions would
+    have no logprobs)."""
+    if not isinstance(prompt, PromptTokens) or params.prefill_logprobs:
+        return None
+    return prompt_blocks(prompt.ids, prompt.images, prompt.group_ids, block_size)
+
+
+def is_cache_claim_refusal(entry: Entry, reason: str) -> bool:
+    """The shard refused what the prefix cache offered, not the request itself."""
+    return entry.allocation is not None and entry.allocation.cache_len > 0 and "cache_len" in reason
+
+
 class Router:
     """Plays TGI's v3 router against one shard. `run()` is the loop; `submit()` feeds it."""
 
-    def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], int],
+    def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], PromptTokens | int],
                  config: RouterConfig | None = None):
+        """`count_tokens`: `TokenCounter.tokenize` (ids and images: prefix caching can key the prompt) or
+        anything giving the prompt length alone (such requests are neither looked up nor cached)."""
         self.client = client
         self.count_tokens = count_tokens
         self.config = config or RouterConfig()
@@ -128,6 +162,7 @@ class Router:
         self.calls: Counter[str] = Counter()  # RPCs sent, e.g. "prefill+cached", "decode"
         self.steps: deque[StepRecord] = deque(maxlen=MAX_STEP_RECORDS)
         self.step_listeners: list[Callable[[StepRecord], None]] = []  # called after every Prefill/Decode
+        self.prefix_stats = PrefixStats()
         self._ids = itertools.count(1)
         self._running: dict[int, Entry] = {}
         self._wake = asyncio.Event()
@@ -157,11 +192,13 @@ class Router:
         if total is None:
             raise RuntimeError("the shard did not report max_supported_total_tokens; set max_batch_total_tokens")
         self.shard = ShardInfo(info, total, warm.max_input_tokens, warm.max_total_tokens)
-        self.allocator = BlockAllocator(total // info.block_size, info.block_size)
+        blocks = total // info.block_size
+        self.allocator = (PrefixCache(blocks, info.block_size, self.prefix_stats) if cfg.prefix_caching
+                          else BlockAllocator(blocks, info.block_size))
         self.queue = Queue(self.allocator)
         self._started.set()
-        logger.debug("shard ready: block_size {}, {} blocks, chunking {}", info.block_size,
-                     self.allocator.num_blocks, info.support_chunking)
+        logger.debug("shard ready: block_size {}, {} blocks, chunking {}, prefix caching {}", info.block_size,
+                     self.allocator.num_blocks, info.support_chunking, cfg.prefix_caching)
 
     # ----- public API -----
     async def submit(self, params: RequestParams, *, input_len: int | None = None) -> Stream:
@@ -171,11 +208,16 @@ class Router:
         entry = Entry(id=next(self._ids), params=params, input_len=input_len or 0, submitted=time.perf_counter(),
                       speculate=self.shard.info.speculate)
         try:
-            if input_len is None:
-                entry.input_len = await asyncio.get_running_loop().run_in_executor(
+            prompt = input_len
+            # The prefix cache needs the prompt's ids and images, not only its length.
+            if input_len is None or self.config.prefix_caching:
+                prompt = await asyncio.get_running_loop().run_in_executor(
                     self._counting, self.count_tokens, params.to_pb(entry.id))
         except ValueError as exc:
             return self._refuse(entry, str(exc))
+        entry.input_len = len(prompt) if isinstance(prompt, PromptTokens) else prompt
+        if self.config.prefix_caching:
+            entry.prompt = cacheable_prompt(prompt, params, self.allocator.block_size)
         problem = self._validate(entry)
         if problem:
             return self._refuse(entry, f"request {entry.id}: {problem}")
@@ -212,6 +254,8 @@ class Router:
         finally:
             self.queue.fail_all("the router stopped")
             self._counting.shutdown(wait=False)
+            if self.config.prefix_caching:
+                logger.info(self.prefix_stats.summary())
 
     def stop(self) -> None:
         self._stopping = True
@@ -282,18 +326,34 @@ class Router:
                 if not new.entries:
                     return cached  # the shard left the cached batch as it was
         self._record(kind, response, start)
+        for entry in new.entries.values():
+            self.prefix_stats.count_prefill(entry.input_len, entry.allocation.cache_len)
         self._send(response.generations, entries)
         return await self._filter(response.batch if response.HasField("batch") else None, entries)
 
     def _drop_refused(self, new: NextBatch, bad: set[int], entries: dict[int, Entry], details: str) -> None:
+        reasons = refusal_reasons(details)
         for rid in bad:
             entry = new.entries.pop(rid)
             entries.pop(rid, None)
-            self._finish(entry, FinalEvent.failed(rid, f"refused by the shard: {details}", refused=True))
+            if is_cache_claim_refusal(entry, reasons.get(rid, "")):
+                self._retry_without_cache(entry, reasons[rid])
+            else:
+                self._finish(entry, FinalEvent.failed(rid, f"refused by the shard: {details}", refused=True))
         kept = [r for r in new.batch.requests if r.id not in bad]
         del new.batch.requests[:]
         new.batch.requests.extend(kept)
         new.batch.size = len(kept)
+
+    def _retry_without_cache(self, entry: Entry, reason: str) -> None:
+        """A cache miss never fails a request: drop its cached match, queue it first with cache_len=0."""
+        logger.info("request {}: the shard refused its cached prefix ({}); resending with cache_len=0", entry.id, reason)
+        self.prefix_stats.refused_claims += 1
+        self.allocator.distrust(entry.allocation)
+        self.allocator.free(entry.allocation)
+        self._running.pop(entry.id, None)
+        entry.allocation, entry.chunk_len, entry.prompt = None, None, None
+        self.queue.push_front(entry)
 
     async def _decode(self, batches: list[pb.CachedBatch], entries: dict[int, Entry]) -> pb.CachedBatch | None:
         try:
@@ -321,6 +381,9 @@ class Router:
             entry = entries.get(g.request_id)
             if entry is None or entry.cancelled:
                 continue
+            if not entry.prompt_cached:  # its first token: the shard has recorded its prompt blocks
+                entry.prompt_cached = True
+                self.allocator.cache_prompt(entry.allocation)
             if g.HasField("prefill_tokens"):
                 entry.prefill = tokens_from_pb(g.prefill_tokens)
             for i, token in enumerate(tokens_from_pb(g.tokens)):

@@ -53,7 +53,10 @@ async def router_session(model_id: str, *, uds_path: str | None = None, shard_en
     client = ShardClient(socket)
     if wrap_client is not None:
         client = wrap_client(client)
-    router = Router(client, counter.count, config)
+    config = config or RouterConfig()
+    # Prefix caching keys prompts on ids + images (`tokenize`, which also runs the processor per image);
+    # without it the length is enough (`count`).
+    router = Router(client, counter.tokenize if config.prefix_caching else counter.count, config)
     task = None
     try:
         await router.start()

@@ -1,28 +1,46 @@
-"""Input token counts for the router, from the same processor code the shard runs.
+"""Prompt tokens for the router, from the same processor code the shard runs.
 
-The router sizes each request's KV allocation from its prompt length. Rather than estimating image
-tokens (TGI's router over-counts Qwen), it loads the model's processor (not the weights) and runs
-the prompt half of the architecture adapter through the shard's own intake functions
-(`vlm_intake.prompt_parts` / `process_prompt`), then applies `truncate` (keep the last tokens).
+The router sizes each request's KV allocation from its prompt length, and its prefix cache keys
+blocks on the prompt's token ids and images. Rather than estimating image tokens (TGI's router
+over-counts Qwen), it loads the model's processor (not the weights) and runs the prompt half of
+the architecture adapter through the shard's own intake functions:
+- `count` (lengths only): `vlm_intake.process_prompt` on the whole prompt, then `truncate`;
+- `tokenize` (ids, image spans with content hashes, bidirectional groups): `vlm_intake.tokenize_images`
+  exactly as the shard's `VlmCausalLM.tokenize_request` calls it, so spans and truncation are the
+  shard's by construction. It also runs the processor once per image, so it costs more.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidRequest
-from tgi_vlm.models.intake import request_chunks
+from tgi_vlm.models.intake import request_chunks, truncate_ids
 from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.prefix_hash import ImageRef
 
 
 class CountError(ValueError):
     """The request cannot be tokenized (bad image, text-only model given an image, processor refusal)."""
 
 
+@dataclass(frozen=True)
+class PromptTokens:
+    """A prompt as the shard will see it (after truncation)."""
+
+    ids: list[int]
+    images: list[ImageRef]  # each surviving image's span and the sha256 of its bytes, in prompt order
+    group_ids: list[int] | None = None  # [len(ids)] bidirectional group per position (-1 causal); None: causal
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 class TokenCounter:
-    """`count(request)` → prompt tokens the shard will see; `input_ids(request)` → the ids themselves.
-    Thread-safe (one call at a time)."""
+    """`count(request)` → prompt length; `input_ids(request)` → the ids; `tokenize(request)` →
+    `PromptTokens` (ids, image spans, groups: what the prefix cache keys on). Thread-safe (one call at a time)."""
 
     def __init__(self, model_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
                  limits: InputLimits | None = None):
@@ -65,13 +83,34 @@ class TokenCounter:
                 raise CountError(str(exc)) from None
         return ids[-request.truncate:] if request.truncate else ids
 
+    def tokenize(self, request: pb.Request) -> PromptTokens:
+        with self._lock:
+            try:
+                return self._tokenize(request)
+            except InvalidRequest as exc:
+                raise CountError(str(exc)) from None
+
     def _ids(self, request: pb.Request) -> list[int]:
         if self.prompt is None:
-            chunks = request_chunks(request)
-            if any(isinstance(c, bytes) for c in chunks):
-                raise CountError(f"request {request.id}: the model is text-only and cannot take image inputs")
-            return list(self.tokenizer("".join(chunks), add_special_tokens=request.add_special_tokens)["input_ids"])
+            return list(self._text_ids(request))
         from tgi_vlm.models.vlm_intake import process_prompt, prompt_parts
 
         parts, images, _ = prompt_parts(request, self.limits)
         return process_prompt(self.prompt, request, parts, images)["input_ids"][0].tolist()
+
+    def _tokenize(self, request: pb.Request) -> PromptTokens:
+        if self.prompt is None:
+            return PromptTokens(truncate_ids(self._text_ids(request), request.truncate), [])
+        from tgi_vlm.models.vlm_intake import prompt_parts, tokenize_images
+
+        parts, images, digests = prompt_parts(request, self.limits)
+        ids, processed, spans = tokenize_images(self.prompt, request, parts, images, digests, warmup=False)
+        groups = self.prompt.bidirectional_groups(processed, ids, spans)
+        refs = [ImageRef(s.offset, s.length, s.content_hash) for s in spans]
+        return PromptTokens(ids, refs, None if groups is None else groups.tolist())
+
+    def _text_ids(self, request: pb.Request) -> list[int]:
+        chunks = request_chunks(request)
+        if any(isinstance(c, bytes) for c in chunks):
+            raise CountError(f"request {request.id}: the model is text-only and cannot take image inputs")
+        return self.tokenizer("".join(chunks), add_special_tokens=request.add_special_tokens)["input_ids"]

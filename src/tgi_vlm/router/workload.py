@@ -1,4 +1,6 @@
-"""Synthetic serving workloads: requests with images of varied sizes, prompt and output lengths."""
+"""Synthetic serving workloads: requests with images of varied sizes, prompt and output lengths
+(`make_workload`, optionally all opening with one system prompt), and multi-turn conversations that
+resend their growing history every turn (`make_conversations`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class WorkloadSpec:
     rate: float | None = None  # open loop: Poisson arrivals per second (overrides concurrency)
     seed: int = 0
     ignore_eos: bool = True  # every request runs its full length (off: greedy outputs may stop at EOS)
+    system_tokens: int = 0  # > 0: every request opens with the same system prompt of about this many tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +46,7 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
     from tgi_vlm.images import make_test_image, png_bytes
 
     rng = random.Random(spec.seed)
+    system = [prompt_of(spec.system_tokens, random.Random(spec.seed + 1), tokenizer) + "\n"] if spec.system_tokens else []
     items, clock = [], 0.0
     for i in range(spec.num_requests):
         sizes = [(rng.randint(spec.image_min, spec.image_max), rng.randint(spec.image_min, spec.image_max))
@@ -53,7 +57,7 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
         outputs = rng.randint(spec.output_min, spec.output_max)
         if spec.rate:
             clock += rng.expovariate(spec.rate)
-        params = RequestParams([*images, text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos)  # greedy
+        params = RequestParams([*system, *images, text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos)  # greedy
         items.append(WorkItem(params, target, sizes, clock))
     return items
 
@@ -63,3 +67,55 @@ def prompt_of(tokens: int, rng: random.Random, tokenizer) -> str:
     text = " ".join(rng.choice(WORDS) for _ in range(tokens))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
     return tokenizer.decode(ids)
+
+
+@dataclass(frozen=True)
+class ConversationSpec:
+    """Chats: each opens with a shared system prompt and its own images, then asks `turns` questions;
+    every turn resends the whole history (system, images, earlier questions and answers)."""
+
+    conversations: int = 16
+    turns: int = 4
+    images_min: int = 1
+    images_max: int = 2
+    image_min: int = 64  # pixels per side
+    image_max: int = 448
+    system_tokens: int = 64
+    question_min: int = 16  # text tokens
+    question_max: int = 48
+    output_min: int = 16
+    output_max: int = 32
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Conversation:
+    opening: list[str | bytes]  # system prompt, then the images
+    questions: list[str]  # one per turn
+    max_new_tokens: list[int]  # one per turn (EOS ignored)
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+
+    def turn(self, history: list[str | bytes], t: int) -> RequestParams:
+        """Turn t's request: `history` (opening + earlier turns with their answers) + question t."""
+        return RequestParams([*history, self.questions[t]], max_new_tokens=self.max_new_tokens[t], ignore_eos=True)
+
+
+def make_conversations(spec: ConversationSpec, tokenizer) -> list[Conversation]:
+    """Deterministic for a seed."""
+    from tgi_vlm.images import make_test_image, png_bytes
+
+    rng = random.Random(spec.seed)
+    system = prompt_of(spec.system_tokens, random.Random(spec.seed + 1), tokenizer) + "\n"
+    conversations = []
+    for c in range(spec.conversations):
+        sizes = [(rng.randint(spec.image_min, spec.image_max), rng.randint(spec.image_min, spec.image_max))
+                 for _ in range(rng.randint(spec.images_min, spec.images_max))]
+        images = [png_bytes(make_test_image(w, h, seed=spec.seed * 100_003 + c * 17 + k)) for k, (w, h) in enumerate(sizes)]
+        questions = [f"\nQ{t + 1}: " + prompt_of(rng.randint(spec.question_min, spec.question_max), rng, tokenizer) + "\nA: "
+                     for t in range(spec.turns)]
+        outputs = [rng.randint(spec.output_min, spec.output_max) for _ in range(spec.turns)]
+        conversations.append(Conversation([system, *images], questions, outputs, sizes))
+    return conversations

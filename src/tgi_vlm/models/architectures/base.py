@@ -3,10 +3,10 @@
 Two halves, so that code holding only a processor (the router's token counter) never builds a
 model-side object:
 - `VlmPrompt` (no weights): the placeholder of one image, the prompt layout, the processor on the
-  whole prompt and on each image alone.
+  whole prompt and on each image alone, bidirectional attention groups.
 - `VlmAdapter` (the loaded model): vision features, the language model, per-sequence adapter state
-  (e.g. mrope positions), position ids, bidirectional attention groups, the per-layer attention
-  pattern. It owns a `VlmPrompt` as `.prompt`.
+  (e.g. mrope positions), position ids, the per-layer attention pattern. It owns a `VlmPrompt`
+  as `.prompt`.
 The defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
 overrides only what differs.
 """
@@ -63,6 +63,14 @@ class VlmPrompt:
         out = self.processor(text=[self.image_placeholder()], images=[image], return_tensors="pt")
         count = int((out["input_ids"] == self.image_token_id).sum())
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
+
+    def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
+        """[prompt_len] group id per position (-1 = causal), or None when the model is plain causal.
+
+        Prompt-side (no weights): the engine's attention masks and the router driver's prefix cache
+        (a cached prefix never ends inside a group) read the same groups.
+        """
+        return None
 
 
 class VlmAdapter:
@@ -127,8 +135,8 @@ class VlmAdapter:
         return None
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
-        """[prompt_len] group id per position (-1 = causal), or None when the model is plain causal."""
-        return None
+        """The prompt half's groups (`VlmPrompt.bidirectional_groups`)."""
+        return self.prompt.bidirectional_groups(processed, input_ids, spans)
 
     def position_ids(self, step: StepInputs) -> torch.Tensor:
         """Position ids `[position_rows, T]`-shaped for the language model; default absolute (+ offset)."""

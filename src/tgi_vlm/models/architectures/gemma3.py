@@ -13,14 +13,14 @@ class Gemma3Prompt(VlmPrompt):
     def image_placeholder(self) -> str:
         return self.processor.boi_token  # the processor expands <start_of_image> into the full block
 
-
-@register
-class Gemma3Adapter(VlmAdapter):
-    model_types = ("gemma3",)
-    prompt_type = Gemma3Prompt
-
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
         groups = torch.full((len(input_ids),), -1, dtype=torch.long)
         for span in spans:  # transformers groups contiguous runs of image tokens; one run per image
             groups[span.offset : span.end][span.is_embed] = span.index
         return groups
+
+
+@register
+class Gemma3Adapter(VlmAdapter):
+    model_types = ("gemma3",)
+    prompt_type = Gemma3Prompt

@@ -36,15 +36,15 @@ class PaliGemmaPrompt(VlmPrompt):
         count = int((out["input_ids"] == self.image_token_id).sum())
         return {"pixel_values": out["pixel_values"]}, count
 
+    def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
+        token_types = processed.get("token_type_ids")
+        if token_types is None:
+            return torch.zeros(len(input_ids), dtype=torch.long)  # the whole prompt is prefix
+        return torch.where(token_types[0] == 0, 0, -1).long()
+
 
 @register
 class PaliGemmaAdapter(VlmAdapter):
     model_types = ("paligemma",)
     prompt_type = PaliGemmaPrompt
     position_offset = 1
-
-    def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
-        token_types = processed.get("token_type_ids")
-        if token_types is None:
-            return torch.zeros(len(input_ids), dtype=torch.long)  # the whole prompt is prefix
-        return torch.where(token_types[0] == 0, 0, -1).long()

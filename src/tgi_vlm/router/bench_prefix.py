@@ -1,0 +1,216 @@
+"""`tgi-vlm bench --workload multiturn|shared-prefix`: the same workload with the driver's prefix cache
+off, then on, each on a fresh shard, reported side by side.
+
+multiturn: conversations run concurrently, turns one after another within a conversation; turn t
+resends the whole history (shared system prompt, the conversation's images, questions and the
+answers the model gave). shared-prefix: independent requests that open with one system prompt
+(closed loop, `concurrency` in flight). Figures: TTFT of turns ≥ 2 (multiturn) or of every request,
+output tokens/s, the prefix hit rate (prompt tokens reused / prompt tokens), blocks cached,
+evictions, and whether both modes produced the same tokens (greedy: they must).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tgi_vlm.router.bench import (
+    CpuClock,
+    RequestResult,
+    ServingResult,
+    percentiles,
+    run_serving,
+    time_split,
+    warm_up,
+)
+from tgi_vlm.router.router import RouterConfig
+from tgi_vlm.router.session import router_session
+from tgi_vlm.router.workload import Conversation, ConversationSpec, WorkItem, WorkloadSpec
+
+MODES = (("off", False), ("on", True))
+
+
+async def run_chats(model_id: str, conversations: list[Conversation], *, config: RouterConfig,
+                    uds_path: str | None = None, shard_env: dict | None = None, progress=None) -> ServingResult:
+    """Every conversation concurrently; results ordered conversation by conversation, turn by turn."""
+    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, config=config) as session:
+        router = session.router
+        await warm_up(router, conversations[0].image_sizes)
+        turns = len(conversations[0].questions)
+        results: list[RequestResult | None] = [None] * (len(conversations) * turns)
+
+        async def talk(c: int, conversation: Conversation) -> None:
+            history = list(conversation.opening)
+            for t in range(turns):
+                params = conversation.turn(history, t)
+                submitted = time.perf_counter()
+                tokens, final = await (await router.submit(params)).final()
+                results[c * turns + t] = RequestResult([e.token_id for e in tokens], submitted,
+                                                       [e.time for e in tokens], final.error, turn=t)
+                history += [conversation.questions[t], final.text]
+                if progress is not None:
+                    progress()
+
+        cpu = CpuClock(session.shard)
+        start = time.perf_counter()
+        await asyncio.gather(*[talk(c, conv) for c, conv in enumerate(conversations)])
+        wall = time.perf_counter() - start
+        return ServingResult(wall, results, list(router.steps), dict(router.calls), {}, router.prefix_stats.to_dict(),
+                             cpu.used())
+
+
+async def run_modes(model_id: str, workload: list[Conversation] | list[WorkItem], spec: ConversationSpec | WorkloadSpec,
+                    *, config: RouterConfig, uds_path: str | None = None, shard_env: dict | None = None,
+                    progress=None) -> dict[str, ServingResult]:
+    """The workload once per mode (prefix caching off, then on)."""
+    results = {}
+    for name, on in MODES:
+        mode_config = replace(config, prefix_caching=on)
+        if isinstance(spec, ConversationSpec):
+            results[name] = await run_chats(model_id, workload, config=mode_config, uds_path=uds_path,
+                                            shard_env=shard_env, progress=progress)
+        else:
+            results[name] = await run_serving(model_id, workload, spec, uds_path=uds_path, shard_env=shard_env,
+                                              config=mode_config, progress=progress)
+    return results
+
+
+# ----- report --------------------------------------------------------------------------------
+
+def mode_report(serving: ServingResult) -> dict:
+    ok = [r for r in serving.requests if r.error is None]
+    out_tokens = sum(len(r.tokens) for r in ok)
+
+    def ttft(keep) -> dict:
+        return percentiles([r.ttft_s for r in ok if r.ttft_s is not None and keep(r)])
+
+    return {
+        "wall_s": serving.wall_s,
+        "failed": len(serving.requests) - len(ok),
+        "out_tok_per_s": out_tokens / serving.wall_s,
+        "ttft_s": ttft(lambda r: True),
+        "ttft_first_turn_s": ttft(lambda r: r.turn == 0),
+        "ttft_later_turns_s": ttft(lambda r: r.turn > 0),
+        "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "prefix": serving.prefix,
+        "prefill_tokens_computed": serving.prefix.get("prompt_tokens", 0) - serving.prefix.get("cached_tokens", 0),
+        "cpu_s": serving.cpu_s,
+        "calls": serving.calls,
+        "time_split": time_split(serving),
+    }
+
+
+def compare(workload: str, spec, results: dict[str, ServingResult], model_id: str, machine: dict) -> dict:
+    off, on = (mode_report(results[name]) for name, _ in MODES)
+    ttft_key = "ttft_later_turns_s" if workload == "multiturn" else "ttft_s"
+    same = sum(a.tokens == b.tokens for a, b in zip(results["off"].requests, results["on"].requests))
+    return {
+        "workload": workload,
+        "model": Path(model_id).name,  # no local paths in results
+        "spec": spec.to_dict(),
+        "machine": machine,
+        "requests": len(results["on"].requests),
+        "off": off,
+        "on": on,
+        "ttft_measured": ttft_key,
+        "ttft_p50_on_over_off": _ratio(on[ttft_key]["p50"], off[ttft_key]["p50"]),
+        "throughput_on_over_off": _ratio(on["out_tok_per_s"], off["out_tok_per_s"]),
+        "shard_cpu_on_over_off": _ratio(on["cpu_s"].get("shard"), off["cpu_s"].get("shard")),
+        "outputs_identical": same,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def machine_info() -> dict:
+    import platform
+
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "load_avg_1m": os.getloadavg()[0],
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def markdown(report: dict, machine_end: dict | None = None) -> str:
+    off, on = report["off"], report["on"]
+    later = report["workload"] == "multiturn"
+    m = report["machine"]
+    load_end = (machine_end or {}).get("load_avg_1m")
+    lines = [
+        f"# prefix caching — {report['workload']} — {m['date']}",
+        "",
+        f"{report['model']}, float32, CPU ({m['cores']} cores, torch threads {m['torch_threads']} in the shard and "
+        f"the router: the shard inherits the environment); "
+        f"1-min load average {m['load_avg_1m']:.1f} at the start"
+        + (f", {load_end:.1f} at the end" if load_end is not None else "")
+        + ". Each mode on a fresh shard; the router driver's prefix cache off, then on.",
+        "",
+        *([f"The machine was shared with other work (load above its {m['cores']} cores): absolute figures are "
+           "slower than on a quiet machine and the two modes ran minutes apart under varying load.", ""]
+          if max(m["load_avg_1m"], load_end or 0) > m["cores"] else []),
+        f"Workload: {json.dumps(report['spec'])} — {report['requests']} requests.",
+        "",
+        "| | prefix caching off | on | on / off | target |",
+        "|---|---:|---:|---:|---:|",
+        _row(f"TTFT {'turns ≥ 2' if later else 'all requests'}, p50 (s)", off[report["ttft_measured"]]["p50"],
+             on[report["ttft_measured"]]["p50"], report["ttft_p50_on_over_off"], "≤ 0.3"),
+    ]
+    if later:
+        lines.append(_row("TTFT turn 1, p50 (s)", off["ttft_first_turn_s"]["p50"], on["ttft_first_turn_s"]["p50"],
+                          _ratio(on["ttft_first_turn_s"]["p50"], off["ttft_first_turn_s"]["p50"]), ""))
+    lines += [
+        _row("output tokens/s", off["out_tok_per_s"], on["out_tok_per_s"], report["throughput_on_over_off"], "≥ 2×"),
+        _row("wall (s)", off["wall_s"], on["wall_s"], _ratio(on["wall_s"], off["wall_s"]), ""),
+        _row("shard CPU time (s)", off["cpu_s"].get("shard"), on["cpu_s"].get("shard"),
+             report["shard_cpu_on_over_off"], ""),
+        _row("router CPU time (s, incl. token counting)", off["cpu_s"].get("router"), on["cpu_s"].get("router"),
+             _ratio(on["cpu_s"].get("router"), off["cpu_s"].get("router")), ""),
+        _row("prompt tokens computed by the shard", off["prefill_tokens_computed"], on["prefill_tokens_computed"],
+             _ratio(on["prefill_tokens_computed"], off["prefill_tokens_computed"]), ""),
+        f"| prefix hit rate (prompt tokens reused) | {off['prefix']['hit_rate']:.1%} | {on['prefix']['hit_rate']:.1%} | | |",
+        f"| prompt tokens reused / sent | {off['prefix']['cached_tokens']} / {off['prefix']['prompt_tokens']} "
+        f"| {on['prefix']['cached_tokens']} / {on['prefix']['prompt_tokens']} | | |",
+        f"| requests with a hit | {off['prefix']['hits']} | {on['prefix']['hits']} | | |",
+        f"| blocks cached at the end / evictions | — | {on['prefix']['blocks_cached']} / {on['prefix']['evictions']} | | |",
+        f"| claims refused by the shard | — | {on['prefix']['refused_claims']} | | |",
+        f"| failed requests | {off['failed']} | {on['failed']} | | |",
+        "",
+        f"Outputs identical in both modes (greedy): {report['outputs_identical']}/{report['requests']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _row(label: str, off: float | None, on: float | None, ratio: float | None, target: str) -> str:
+    def fmt(v):
+        if v is None or isinstance(v, int):
+            return "—" if v is None else str(v)
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+    return f"| {label} | {fmt(off)} | {fmt(on)} | {'—' if ratio is None else f'{ratio:.2f}'} | {target} |"
+
+
+def summary_lines(report: dict) -> list[str]:
+    key = report["ttft_measured"]
+    return [
+        f"{report['workload']}: TTFT p50 ({key}) off {report['off'][key]['p50']:.3f} s, on {report['on'][key]['p50']:.3f} s "
+        f"(on/off {report['ttft_p50_on_over_off']:.2f}); output tok/s off {report['off']['out_tok_per_s']:.1f}, "
+        f"on {report['on']['out_tok_per_s']:.1f} ({report['throughput_on_over_off']:.2f}x); "
+        f"hit rate {report['on']['prefix']['hit_rate']:.1%}; outputs identical {report['outputs_identical']}/{report['requests']}",
+    ]
+
+
+def write(report: dict, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps(report, indent=2))
+    md_path.write_text(markdown(report, report.get("machine_end")))
+    return [json_path, md_path]
