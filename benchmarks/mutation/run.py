@@ -17,10 +17,10 @@ What it does
 
 Tool        mutmut 3.8.1 (pip install '.[mutation]', or `pip install mutmut==3.8.1`), pytest.
 Scope       GROUPS[*]["scope"] below: path -> fnmatch patterns over "Class.method" / "function".
-            Edit the paths when code moves (the planned refactor moves make_sequence, _slots_for
-            and truncate from models/flash_causal_lm.py to models/intake.py, outputs to
-            models/outputs.py); the sample and the judgements follow the function name, not the
-            module. mutmut mutates only undecorated functions and methods (and @staticmethod /
+            Edit the paths when code moves (the refactor moved FlashCausalLM.make_sequence, _slots_for
+            and truncate to module functions of models/intake.py; compare.py matches the "before"
+            mutants to their new homes); the sample and the judgements follow the function name, not
+            the module. Group "extra" (outputs, prefix caching) was not in the "before" run. mutmut mutates only undecorated functions and methods (and @staticmethod /
             @classmethod ones): @property bodies, dataclass defaults, module constants and
             @contextmanager functions are never mutated.
 Tests       GROUPS[*]["tests"]: each group is its own mutmut run with its own tests, chosen from
