@@ -17,10 +17,10 @@ What it does
 
 Tool        mutmut 3.8.1 (pip install '.[mutation]', or `pip install mutmut==3.8.1`), pytest.
 Scope       GROUPS[*]["scope"] below: path -> fnmatch patterns over "Class.method" / "function".
-            Edit the paths when code moves (the planned refactor moves make_sequence, _slots_for
-            and truncate from models/flash_causal_lm.py to models/intake.py, outputs to
-            models/outputs.py); the sample and the judgements follow the function name, not the
-            module. mutmut mutates only undecorated functions and methods (and @staticmethod /
+            Edit the paths when code moves (the refactor moved FlashCausalLM.make_sequence, _slots_for
+            and truncate to module functions of models/intake.py; compare.py matches the "before"
+            mutants to their new homes); the sample and the judgements follow the function name, not
+            the module. Group "extra" (outputs, prefix caching) was not in the "before" run. mutmut mutates only undecorated functions and methods (and @staticmethod /
             @classmethod ones): @property bodies, dataclass defaults, module constants and
             @contextmanager functions are never mutated.
 Tests       GROUPS[*]["tests"]: each group is its own mutmut run with its own tests, chosen from
@@ -42,7 +42,7 @@ How to run (from the repository root; ~70 min at 1 in 8 on 2 cores shared with o
     writes benchmarks/results/mutation-<label>.md (or --out); scratch in /tmp/tgi-vlm-mutation-<label>
     --dry-run       list the sampled mutants and counts, run nothing
     --max-children  parallel mutant processes (default 1; each test process uses 2 torch threads)
-    --groups        groups to run, in order (default all: engine,vision)
+    --groups        groups to run, in order (default all: engine,vision,extra)
     --workdir       scratch directory; --resume keeps it and runs only mutants without a verdict
                     (an interrupted run continues; its earlier wall time is added)
     --report-only   rewrite the markdown from the verdicts already in the scratch directory
@@ -82,11 +82,16 @@ GROUPS: dict[str, dict] = {
             "src/tgi_vlm/generation/detokenizer.py": ["*"],
             "src/tgi_vlm/generation/logprobs.py": ["*"],
             "src/tgi_vlm/layers/attention/kv_cache.py": ["*"],
-            # request validation (moves to models/intake.py in the planned refactor)
-            "src/tgi_vlm/models/flash_causal_lm.py": [
-                "FlashCausalLM.make_sequence",
-                "FlashCausalLM._slots_for",
-                "FlashCausalLM.truncate",
+            # request validation: was FlashCausalLM.make_sequence / _slots_for / truncate in
+            # models/flash_causal_lm.py; the refactor moved it to module functions in models/intake.py
+            "src/tgi_vlm/models/intake.py": [
+                "make_sequence",
+                "check_request",
+                "check_slots",
+                "claim_slots",
+                "truncate_ids",
+                "request_chunks",
+                "check_cached_prefix",
             ],
             # error mapping and refusals before any cached batch is touched. _rpc is left out: it runs
             # at class-definition time, before a mutant is switched on, so its mutants cannot be killed.
@@ -105,6 +110,9 @@ GROUPS: dict[str, dict] = {
             "tests/models/test_text_parity.py",
             "tests/server/test_server_rpc.py",
             "tests/server/test_faults_real_model.py",
+            "tests/models/test_slot_bounds.py",
+            "tests/models/test_sampling_parity.py",
+            "tests/models/test_security_defaults.py",
         ],
     },
     "vision": {
@@ -122,6 +130,21 @@ GROUPS: dict[str, dict] = {
             "tests/models/test_encoder_reuse.py",
             # tests/models/test_vlm_inputs.py (82 VLM tests, ~25 s quiet) is left out to fit the time
             # budget: every mutant of decode_image/_span_mask would run most of it.
+        ],
+    },
+    # Not in the "before" run (reported apart from the like-for-like comparison); runs last.
+    "extra": {
+        "scope": {
+            # per-step outputs (tokens, generations), split out of flash_causal_lm.py by the refactor
+            "src/tgi_vlm/models/outputs.py": ["OutputBuilder.*"],
+            # prefix caching: block hashes and the radix/LRU cache of KV blocks
+            "src/tgi_vlm/prefix_hash.py": ["*"],
+            "src/tgi_vlm/models/prefix_cache.py": ["*"],
+        },
+        "tests": [
+            "tests/unit",
+            "tests/models/test_text_generation_features.py",
+            "tests/models/test_prefix_caching.py",
         ],
     },
 }
@@ -152,14 +175,23 @@ def sampled(mutant: str, mod: int) -> bool:
     return mod <= 1 or int(hashlib.sha1(stable_key(mutant).encode()).hexdigest(), 16) % mod == 0
 
 
-def prepare(base: Path) -> None:
+def prepare(base: Path, timeout_multiplier: float) -> None:
     if base.exists():
         shutil.rmtree(base)
     for group in GROUPS:
-        prepare_group(base / group, group)
+        prepare_group(base / group, group, timeout_multiplier)
 
 
-def prepare_group(workdir: Path, group: str) -> None:
+def set_timeout_multiplier(workdir: Path, timeout_multiplier: float) -> None:
+    """Rewrite the multiplier in a prepared group's pyproject.toml (mutmut then re-runs its timeouts)."""
+    toml = workdir / "pyproject.toml"
+    lines = [ln for ln in toml.read_text().splitlines() if not ln.startswith("timeout_multiplier =")]
+    at = lines.index("[tool.mutmut]") + 1
+    lines.insert(at, f"timeout_multiplier = {timeout_multiplier}")
+    toml.write_text("\n".join(lines) + "\n")
+
+
+def prepare_group(workdir: Path, group: str, timeout_multiplier: float = 15.0) -> None:
     workdir.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     shutil.copytree(ROOT / "src", workdir / "src", ignore=ignore)
@@ -174,6 +206,7 @@ def prepare_group(workdir: Path, group: str) -> None:
         'pytest_add_cli_args = ["-p", "no:cacheprovider"]',
         'process_isolation = "forkserver"',
         "use_git_change_detection = false",
+        f"timeout_multiplier = {timeout_multiplier}",
     ]) + "\n"
     (workdir / "pyproject.toml").write_text(toml)
 
@@ -376,18 +409,24 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--timeout-multiplier", type=float, default=15.0,
+                    help="mutmut's timeout_multiplier (its default 15): wall limit (expected test time + 1 s) x this")
+    ap.add_argument("--retry-timeouts", action="store_true",
+                    help="with --resume: also re-run mutants whose verdict is a timeout (use a larger --timeout-multiplier)")
     ap.add_argument("--groups", default=",".join(GROUPS), help="groups to run, in this order")
     args = ap.parse_args()
     workdir = (args.workdir or Path(f"/tmp/tgi-vlm-mutation-{args.label}")).resolve()
     out = (args.out or ROOT / f"benchmarks/results/mutation-{args.label}.md").resolve()
 
     if not (args.resume or args.report_only):
-        prepare(workdir)
+        prepare(workdir, args.timeout_multiplier)
     elif args.resume:
         for group in GROUPS:  # a group that never ran picks up the current GROUPS settings
             if not (workdir / group / "mutants").exists():
                 shutil.rmtree(workdir / group, ignore_errors=True)
-                prepare_group(workdir / group, group)
+                prepare_group(workdir / group, group, args.timeout_multiplier)
+            else:
+                set_timeout_multiplier(workdir / group, args.timeout_multiplier)
     chosen, info = list_mutants(workdir, args.sample_mod)
     per_file = Counter(i["path"] for i in info.values())
     per_file_chosen = Counter(info[m]["path"] for m in chosen)
@@ -403,7 +442,8 @@ def main() -> None:
         todo = chosen
         if args.resume:
             codes = verdicts(workdir)
-            todo = [m for m in chosen if codes.get(m) is None]
+            todo = [m for m in chosen if codes.get(m) is None
+                    or (args.retry_timeouts and STATUS.get(codes[m]) == "timeout")]
         start = time.monotonic()
         for group in args.groups.split(","):
             names = [m for m in todo if info[m]["group"] == group]
