@@ -34,15 +34,25 @@ class NgramDrafter:
         self.min_ngram = min_ngram
 
     def propose(self, ids: Sequence[int], max_tokens: int) -> list[int]:
-        if max_tokens <= 0:
+        """One backward scan (this runs for every decoding sequence at every step): the most recent
+        earlier position holding the last token whose preceding tokens match the longest suffix."""
+        if max_tokens <= 0 or len(ids) < 2:
             return []
-        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            suffix = list(ids[-n:])
-            # Most recent earlier occurrence of the suffix that has at least one token after it.
-            for start in range(len(ids) - n - 1, -1, -1):
-                if list(ids[start : start + n]) == suffix:
-                    return list(ids[start + n : start + n + max_tokens])
-        return []
+        last, end = ids[-1], len(ids) - 1
+        best_n, best_at = 0, -1
+        for at in range(end - 1, -1, -1):
+            if ids[at] != last:
+                continue
+            n = 1
+            while n < self.max_ngram and at - n >= 0 and ids[at - n] == ids[end - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_at = n, at
+                if n == self.max_ngram:
+                    break
+        if best_n < self.min_ngram:
+            return []
+        return list(ids[best_at + 1 : best_at + 1 + max_tokens])
 
 
 def accepts(draft: Sequence[int], level: int, chosen: int) -> bool:

@@ -284,7 +284,7 @@ class FlashCausalLM(ShardModel):
         if self.drafter is None:
             return
         for seq in seqs:
-            if not seq.finished and not seq.prefilling:
+            if not seq.finished and not seq.prefilling and seq.wants_draft():
                 seq.draft = self.drafter.propose(seq.all_ids, min(self.config.speculate, seq.max_draft))
 
     def forward(self, batch: FlashCausalLMBatch, step: StepInputs) -> torch.Tensor:
@@ -364,6 +364,7 @@ class FlashCausalLM(ShardModel):
         for w, tokens in zip(samplers, emitted):
             if w.seq.draft:
                 w.seq.advance(len(tokens))  # rows 0..len-1 held the last token and the accepted drafts
+                w.seq.record_verified_run(len(tokens) - 1)
                 self.speculation.record(len(w.seq.draft), len(tokens) - 1)
         return [self.outputs.generation(w.seq, tokens, reason, values)
                 for w, tokens, reason, values in zip(samplers, emitted, reasons, prefill_values)]

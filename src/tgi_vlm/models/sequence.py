@@ -34,6 +34,8 @@ from tgi_vlm.generation import (
 from tgi_vlm.models.image_spans import ImageSpan
 from tgi_vlm.prefix_hash import ImageRef
 
+MAX_DRAFT_SKIP = 64
+
 
 @dataclass
 class MultimodalState:
@@ -98,6 +100,10 @@ class Sequence:
     # Speculation: draft tokens fed after the last token in the current step (set before scheduling,
     # cleared after the step). Their K/V are written but only the accepted ones are ever `advance`d over.
     draft: list[int] = field(default_factory=list)
+    # Drafting backs off after runs that accepted nothing: skip `draft_skip` steps (4^misses, at most
+    # MAX_DRAFT_SKIP) so a request whose drafts keep failing costs almost nothing extra.
+    draft_misses: int = 0
+    draft_skip: int = 0
 
     # ----- queries -----
     @property
@@ -164,6 +170,21 @@ class Sequence:
         if reason is not None:
             self.finished = True
         return new_text, reason
+
+    def record_verified_run(self, accepted: int) -> None:
+        """After a forward that verified this sequence's draft: back off when nothing was accepted."""
+        if accepted:
+            self.draft_misses = 0
+            return
+        self.draft_misses += 1
+        self.draft_skip = min(4**self.draft_misses, MAX_DRAFT_SKIP)
+
+    def wants_draft(self) -> bool:
+        """Whether to draft this step (consumes one skipped step when backing off)."""
+        if self.draft_skip:
+            self.draft_skip -= 1
+            return False
+        return True
 
     def take_prefill_logprobs(self) -> list[float] | None:
         """The prompt's logprobs (NaN for the first token) the first time they are due, else None."""
