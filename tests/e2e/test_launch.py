@@ -383,9 +383,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(launch):
 
 def test_a_client_that_gives_up_on_a_non_streaming_request_cancels_it(launch):
     before = launch.metrics()
+    # A grammar that allows EOS only after 4000 characters keeps the request busy for all its 400 tokens
+    # (hundreds of steps), so giving up after 0.3 s always happens mid-generation, on a fast machine too.
+    busy = {"max_new_tokens": 400, "grammar": {"type": "regex", "value": "[a-z ]{4000}"}}
     with pytest.raises(httpx.ReadTimeout):  # httpx closes the connection when it gives up
-        httpx.post(f"{launch.url}/generate", headers=AUTH, timeout=httpx.Timeout(30, read=1.0),
-                   json={"inputs": markdown(IMAGE) + PROMPT, "parameters": {"max_new_tokens": 400}})
+        httpx.post(f"{launch.url}/generate", headers=AUTH, timeout=httpx.Timeout(30, read=0.3),
+                   json={"inputs": markdown(IMAGE) + PROMPT, "parameters": busy})
     after = launch.wait_for_metric("tgi_vlm_request_cancelled", before["tgi_vlm_request_cancelled"] + 1)
     assert after["tgi_vlm_request_cancelled"] == before["tgi_vlm_request_cancelled"] + 1
     assert launch.wait_for_metric("tgi_vlm_kv_blocks_free", after["tgi_vlm_kv_blocks_total"])[

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import load_engine
+from tests.models.prefix_routing import RoutedBlocks
 from tgi_vlm.testing.harness import Runner
 
 
@@ -27,3 +28,17 @@ def runner(engine):
     assert engine.kv_blocks_in_use == 0, "KV blocks leaked"
     cache = getattr(engine, "encoder_cache", None)
     assert cache is None or cache.num_entries == 0, "encoder-cache entries leaked"
+
+
+@pytest.fixture
+def routed(engine):
+    return RoutedBlocks(engine)
+
+
+@pytest.fixture
+def computed(engine, monkeypatch):
+    """Tokens fed to the model per step (what the forward actually computed)."""
+    sizes: list[int] = []
+    real = engine.embed_step
+    monkeypatch.setattr(engine, "embed_step", lambda batch, step: sizes.append(step.input_ids.numel()) or real(batch, step))
+    return sizes

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.models.prefix_routing import RoutedBlocks, common_blocks
+from tests.models.prefix_routing import common_blocks
 from tests.models.reference import assert_matches, hf_greedy
 from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.testing import tiny_model_path
@@ -32,18 +32,6 @@ def reference():
     return lambda text, n: hf_greedy(model, dict(tokenizer(text, return_tensors="pt")), n)
 
 
-@pytest.fixture
-def routed(engine):
-    return RoutedBlocks(engine)
-
-
-@pytest.fixture
-def computed(engine, monkeypatch):
-    """Tokens fed to the model per step (what the forward actually computed)."""
-    sizes: list[int] = []
-    real = engine.embed_step
-    monkeypatch.setattr(engine, "embed_step", lambda batch, step: sizes.append(step.input_ids.numel()) or real(batch, step))
-    return sizes
 
 
 def first_run(runner, routed, rid, text, n=4):

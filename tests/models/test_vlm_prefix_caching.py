@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.prefix_routing import RoutedBlocks, common_blocks
+from tests.models.prefix_routing import common_blocks
 from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.errors import InvalidBatch
@@ -26,18 +26,6 @@ def arch(request):
     return request.param
 
 
-@pytest.fixture
-def routed(engine):
-    return RoutedBlocks(engine)
-
-
-@pytest.fixture
-def computed(engine, monkeypatch):
-    """Tokens fed to the model per step (what the forward actually computed)."""
-    sizes: list[int] = []
-    real = engine.embed_step
-    monkeypatch.setattr(engine, "embed_step", lambda batch, step: sizes.append(step.input_ids.numel()) or real(batch, step))
-    return sizes
 
 
 @pytest.fixture
