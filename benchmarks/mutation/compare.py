@@ -175,7 +175,7 @@ def main() -> None:
         return "gone (the line changed)", None
 
     fate = []
-    for m, i in sorted(before_s.items(), key=lambda kv: (kv[1]["path"], kv[1]["key"])):
+    for _m, i in sorted(before_s.items(), key=lambda kv: (kv[1]["path"], kv[1]["key"])):
         how, j = match(i)
         fate.append({"before": i, "how": how, "after": j})
 
