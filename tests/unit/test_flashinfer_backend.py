@@ -275,10 +275,14 @@ def test_planning_follows_the_host_lists_when_the_device_tensors_disagree(fake):
     cache = _cache()
     qkv = _qkv(10)
     ref = _forward(TorchPagedBackend(), 0, qkv, _step(cache, MIXED))
+    shorter = _step(cache, MIXED)
+    shorter.decode.kv_lens = torch.tensor([1, 1])  # the host lists say [6, 1]
+    # The device lengths do matter to a backend that reads them (torch masks by them). (Not checked
+    # with the wrong rows too: torch would then leave rows of an uninitialised output unwritten.)
+    assert not torch.allclose(_forward(TorchPagedBackend(), 0, qkv, shorter), ref)
     meta = _step(cache, MIXED)
     meta.decode.kv_lens = torch.tensor([1, 1])  # the host lists say [6, 1]
     meta.decode.rows = torch.tensor([9, 9])  # the host lists say [0, 6]
-    assert not torch.allclose(_forward(TorchPagedBackend(), 0, qkv, meta), ref)  # they do disagree
     backend = FlashinferBackend()
     backend.plan(meta)
     torch.testing.assert_close(_forward(backend, 0, qkv, meta), ref)
