@@ -31,8 +31,9 @@ class BlockRecords:
         """Before a forward: the blocks it writes no longer hold what was recorded."""
         bs = self.block_size
         for w in windows:
-            for slot in w.seq.slot_list[w.start : w.end]:
-                self._keys.pop(slot // bs, None)
+            # Every slot counts (a router may give scattered slots), but each block is popped once.
+            for block in {slot // bs for slot in w.seq.slot_list[w.start : w.end]}:
+                self._keys.pop(block, None)
 
     def record_completed(self, windows) -> None:
         """After a step: record every block its sequences have now fully computed."""

@@ -128,8 +128,12 @@ class Sequence:
         only use positions below prompt_len + max_new_tokens - 1 (the slots the router gave)."""
         return max(0, self.max_new_tokens - len(self.generated_ids) - 1)
 
-    def tokens_with_draft(self) -> list[int]:
-        return self.all_ids + self.draft if self.draft else self.all_ids
+    def window_ids(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end): known tokens, then draft tokens (no full-list copy)."""
+        ids = self.all_ids[start:end]
+        if end > len(self.all_ids):
+            ids += self.draft[max(start - len(self.all_ids), 0) : end - len(self.all_ids)]
+        return ids
 
     @property
     def images(self) -> list[ImageSpan]:

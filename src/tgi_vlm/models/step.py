@@ -91,7 +91,7 @@ def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, b
             continue
         start = seq.num_computed
         windows.append(SeqWindow(seq, start, start + n, row))
-        ids.extend(seq.tokens_with_draft()[start : start + n])
+        ids.extend(seq.window_ids(start, start + n))
         positions.extend(range(start, start + n))
         row += n
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
