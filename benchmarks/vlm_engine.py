@@ -196,12 +196,12 @@ def run_engine(engine, jobs: list[Job], profile: cProfile.Profile | None = None)
 
 
 class HFRunner:
-    def __init__(self, model, processor, adapter):
-        self.model, self.processor, self.adapter = model, processor, adapter
+    def __init__(self, model, processor, prompt):
+        self.model, self.processor, self.prompt = model, processor, prompt
 
     def inputs(self, jobs: list[Job]) -> dict:
         """The same prompt text and images the engine builds, through the same processor."""
-        texts = [self.adapter.build_prompt([c if isinstance(c, str) else None for c in j.chunks]) for j in jobs]
+        texts = [self.prompt.build_prompt([c if isinstance(c, str) else None for c in j.chunks]) for j in jobs]
         images = [Image.open(io.BytesIO(c)).convert("RGB") for j in jobs for c in j.chunks if isinstance(c, bytes)]
         return dict(self.processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="left"))
 
@@ -264,7 +264,7 @@ def bench(args) -> dict:
     engine = get_model(str(path), EngineConfig(device="cpu", dtype="float32", cpu_kv_cache_bytes=1 << 30))
     engine.prefill_budget = PREFILL_BUDGET  # as if Warmup had reported the router's max_prefill_tokens
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    hf = HFRunner(model, AutoProcessor.from_pretrained(path), engine.adapter)
+    hf = HFRunner(model, AutoProcessor.from_pretrained(path), engine.adapter.prompt)  # the prompt half: layout only
     jobs = make_workload(8 if args.quick else 32, args.quick)
     timers = EngineTimers(engine)
 
