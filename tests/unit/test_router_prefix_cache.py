@@ -238,3 +238,40 @@ def test_the_hit_rate_is_reused_prompt_tokens_over_prompt_tokens(prompt, cached,
     stats = PrefixStats()
     stats.count_prefill(prompt, cached)
     assert stats.hit_rate == expected and stats.hits == (cached > 0) and stats.to_dict()["hit_rate"] == expected
+
+
+def test_a_caller_that_already_tokenized_the_prompt_is_not_tokenized_again():
+    """`tgi-vlm launch` validates with PromptTokens; the router must reuse them (one processor run)."""
+    import asyncio
+
+    from tgi_vlm.pb import generate_pb2 as pb
+    from tgi_vlm.router.requests import RequestParams
+    from tgi_vlm.router.router import Router, RouterConfig
+    from tgi_vlm.router.tokens import PromptTokens
+
+    class StubShard:
+        async def clear_cache(self, _):
+            return None
+
+        async def info(self):
+            return pb.InfoResponse(block_size=16, support_chunking=True)
+
+        async def warmup(self, _):
+            return pb.WarmupResponse(max_supported_total_tokens=1600, max_input_tokens=100, max_total_tokens=200)
+
+    counted: list[int] = []
+
+    def count(request):
+        counted.append(request.id)
+        return PromptTokens(list(range(20)), [])
+
+    async def scenario():
+        router = Router(StubShard(), count, RouterConfig())
+        await router.start()
+        await router.submit(RequestParams(["hi"], max_new_tokens=4), input_len=PromptTokens(list(range(20)), []))
+        assert counted == []
+        await router.submit(RequestParams(["hi"], max_new_tokens=4), input_len=20)  # a bare count is not enough
+        assert len(counted) == 1
+        assert [e.input_len for e in router.queue.waiting] == [20, 20]
+
+    asyncio.run(scenario())

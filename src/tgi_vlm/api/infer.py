@@ -69,7 +69,7 @@ class Infer:
                 valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
                                                       stream=stream)
                 queued = time.perf_counter()
-                routed = await self.router.submit(valid.params, input_len=valid.input_length)
+                routed = await self.router.submit(valid.params, input_len=valid.prompt or valid.input_length)
                 async for index, token, final in _paired(routed, self.router, self.metrics):
                     if final is not None:
                         self._done(final, valid, start, queued)

@@ -34,7 +34,7 @@ class ApiState:
         lengths = LengthLimits(router.shard.max_input_tokens, router.shard.max_total_tokens)
         images = ImageResolver(FetchLimits(config.max_image_fetch_size, config.image_fetch_timeout_s))
         metrics = Metrics(router, lengths.max_input_tokens, lengths.max_total_tokens)
-        validator = Validator(config, counter, lengths, images)
+        validator = Validator(config, counter, lengths, images, prompt_tokens=router.config.prefix_caching)
         infer = Infer(router, validator, metrics, config.max_concurrent_requests)
         chat_template = ChatTemplate(counter.tokenizer, counter.processor)
         openai = OpenAiBodies(config.model_id, f"{__version__}-native")

@@ -19,7 +19,7 @@ from tgi_vlm.api.grammar import grammar_fields
 from tgi_vlm.api.images import ImageResolver
 from tgi_vlm.api.schemas import Parameters
 from tgi_vlm.router.requests import RequestParams
-from tgi_vlm.router.tokens import CountError, TokenCounter
+from tgi_vlm.router.tokens import CountError, PromptTokens, TokenCounter
 
 _REQUEST_PREFIX = re.compile(r"^request \d+: ")
 
@@ -40,11 +40,14 @@ class ValidRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool
+    prompt: PromptTokens | None = None  # ids + image spans when the router's prefix cache needs them (counted once)
 
 
 class Validator:
-    def __init__(self, config: ApiConfig, counter: TokenCounter, lengths: LengthLimits, images: ImageResolver):
+    def __init__(self, config: ApiConfig, counter: TokenCounter, lengths: LengthLimits, images: ImageResolver,
+                 *, prompt_tokens: bool = False):
         self.config = config
+        self.prompt_tokens = prompt_tokens  # the router keys its prefix cache on them: tokenize fully, once
         self.counter = counter
         self.lengths = lengths
         self.images = images
@@ -66,10 +69,11 @@ class Validator:
             top_n_tokens=p.top_n_tokens or 0, watermark=p.watermark, add_special_tokens=add_special_tokens,
         )
         params.grammar, params.grammar_type = grammar_fields(p.grammar)
-        input_length = await self._count(params)
+        prompt = await self._prompt_tokens(params) if self.prompt_tokens else None
+        input_length = len(prompt) if prompt is not None else await self._count(params)
         params.max_new_tokens = self._max_new_tokens(input_length, p.max_new_tokens)
         return ValidRequest(params, input_length, inputs, p.details or p.decoder_input_details,
-                            p.decoder_input_details, bool(p.return_full_text))
+                            p.decoder_input_details, bool(p.return_full_text), prompt)
 
     def check_parameters(self, p: Parameters, *, stream: bool = False) -> None:
         """Everything that needs no tokenizer, in TGI's order."""
@@ -110,6 +114,12 @@ class Validator:
         if truncate is not None and (truncate == 0 or truncate > limit):
             raise validation_error(f"`truncate` must be strictly positive and less than {limit}. Given: {truncate}")
         return truncate or 0
+
+    async def _prompt_tokens(self, params: RequestParams) -> PromptTokens:
+        try:
+            return await asyncio.to_thread(self.counter.tokenize, params.to_pb(0))
+        except CountError as exc:
+            raise validation_error(_REQUEST_PREFIX.sub("", str(exc))) from None
 
     async def _count(self, params: RequestParams) -> int:
         return len(await self.input_ids(params))

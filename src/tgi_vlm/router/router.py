@@ -201,16 +201,17 @@ class Router:
                      self.allocator.num_blocks, info.support_chunking, cfg.prefix_caching)
 
     # ----- public API -----
-    async def submit(self, params: RequestParams, *, input_len: int | None = None) -> Stream:
+    async def submit(self, params: RequestParams, *, input_len: int | PromptTokens | None = None) -> Stream:
         """Queue a request; its events arrive on the returned stream (errors as a failed FinalEvent).
-        `input_len`: the prompt's token count when the caller has already counted it."""
+        `input_len`: the prompt's token count, or its `PromptTokens` (what the prefix cache keys on),
+        when the caller has already counted it."""
         await self._started.wait()
-        entry = Entry(id=next(self._ids), params=params, input_len=input_len or 0, submitted=time.perf_counter(),
+        entry = Entry(id=next(self._ids), params=params, input_len=0, submitted=time.perf_counter(),
                       speculate=self.shard.info.speculate)
         try:
             prompt = input_len
             # The prefix cache needs the prompt's ids and images, not only its length.
-            if input_len is None or self.config.prefix_caching:
+            if input_len is None or (self.config.prefix_caching and not isinstance(input_len, PromptTokens)):
                 prompt = await asyncio.get_running_loop().run_in_executor(
                     self._counting, self.count_tokens, params.to_pb(entry.id))
         except ValueError as exc:
