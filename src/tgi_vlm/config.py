@@ -114,6 +114,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
+    # Tensor parallelism (serve --sharded): this process's rank of world_size; 1 = one unsharded shard.
+    rank: int = 0
+    world_size: int = 1
     watermark_gamma: float = 0.5
     watermark_delta: float = 2.0
     trust_remote_code: bool = False
