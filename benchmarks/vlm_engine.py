@@ -261,9 +261,9 @@ def profile_summary(profile: cProfile.Profile, top: int = 25) -> str:
 
 def bench(args) -> dict:
     path = tiny_model_path("qwen2_vl", size="bench")
-    engine = get_model(str(path), EngineConfig(device="cpu", dtype="float32", cpu_kv_cache_bytes=1 << 30))
+    engine = get_model(str(path), EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=1 << 30))
     engine.prefill_budget = PREFILL_BUDGET  # as if Warmup had reported the router's max_prefill_tokens
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     hf = HFRunner(model, AutoProcessor.from_pretrained(path), engine.adapter.prompt)  # the prompt half: layout only
     jobs = make_workload(8 if args.quick else 32, args.quick)
     timers = EngineTimers(engine)
@@ -369,6 +369,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 smaller requests, for a smoke test")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="dtype of the engine and of transformers")
     parser.add_argument("--engine-only", action="store_true", help="time only the engine run; print, write nothing")
     parser.add_argument("--repeat", type=int, default=2, help="alternating engine/batched runs; the fastest counts")
     parser.add_argument("--profile", action="store_true", help="cProfile the engine run and print the top entries")

@@ -26,9 +26,15 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     if _is_vision_language(hf_config):
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
-        return load_vlm(model_id, hf_config, config, attn_name, dtype, revision=revision,
-                        trust_remote_code=trust_remote_code)
-    return _load_text_model(model_id, config, attn_name, dtype, revision, trust_remote_code)
+        engine = load_vlm(model_id, hf_config, config, attn_name, dtype, revision=revision,
+                          trust_remote_code=trust_remote_code)
+    else:
+        engine = _load_text_model(model_id, config, attn_name, dtype, revision, trust_remote_code)
+    if config.device == "cpu":
+        from tgi_vlm.layers.cpu import speed_up_for_cpu
+
+        speed_up_for_cpu(engine.model, sharded=config.world_size > 1)
+    return engine
 
 
 def _log_inert_switches(config: EngineConfig) -> None:

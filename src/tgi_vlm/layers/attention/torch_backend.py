@@ -3,6 +3,13 @@
 Writes the step's K/V into the paged cache at `meta.slots`, then attends each sequence over its
 cached positions: all one-token (decode) sequences in one batched SDPA call, each prefill chunk in
 its own. Masks come from the metadata (built once per step and shared by the layers).
+
+K/V copies: a prefill span with nothing cached before it (the usual first chunk of a prompt)
+attends to the step's own key/value rows, no copy. Spans after a cached prefix, and the decode
+group, gather their positions from the paged cache, one `index_select` per layer. Measured
+alternatives for decode (benchmarks/results/cpu-profile.md): one SDPA per sequence over a view of
+its blocks when they are contiguous costs ~28 us of call overhead per sequence and layer, more
+than the batched gather at 8+ sequences once the allocator reuses memory (layers/cpu.py).
 """
 
 from __future__ import annotations
@@ -28,8 +35,14 @@ class TorchPagedBackend(AttentionBackend):
             _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
         for index, span in enumerate(meta.prefills):
             q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
-            k_span = _gather(k_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
-            v_span = _gather(v_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)
+            if span.kv_len == span.q_len and k_cache.dtype == key.dtype:
+                # Nothing cached before this span: its keys/values are exactly this step's rows
+                # (what was just written), so attend to those in place instead of gathering a copy.
+                k_span = key[:, :, span.q_start : span.q_end]
+                v_span = value[:, :, span.q_start : span.q_end]
+            else:
+                k_span = _gather(k_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
+                v_span = _gather(v_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)
             mask = meta.prefill_mask(index, sliding_window, chunk)
             o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
             out[span.q_start : span.q_end] = o[0].transpose(0, 1)

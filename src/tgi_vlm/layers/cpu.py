@@ -1,0 +1,131 @@
+"""CPU-only speed-ups applied to a loaded model, each exact (same arithmetic, less overhead).
+
+Three costs a profile of the serving step shows on CPU and that transformers' eager modeling does
+not avoid (benchmarks/results/cpu-profile.md has the figures):
+
+- Allocation churn. Activations of a prefill step are megabytes; glibc serves blocks above its
+  mmap threshold with fresh mmap'd pages and unmaps them on free, so every large temporary costs
+  page faults and zeroing. `tune_allocator` keeps freed memory in the heap for reuse.
+- oneDNN kernel creation per shape. A bfloat16 / float16 matmul on CPU runs an AMX/AVX-512 kernel
+  that oneDNN builds (JIT) for each (rows, in, out) shape and caches. Prefill steps have a new
+  token count almost every time, so each step paid a kernel build per distinct layer shape, in
+  the text model and in the vision tower (whose row count is the image's patch count).
+  `bucket_linear_rows` pads the rows of every linear layer to a few fixed sizes, so the kernels
+  are built once and reused; padded rows are dropped from the output (row results do not depend
+  on the other rows). Float32 goes to MKL's sgemm, which builds nothing per shape: left alone.
+- Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
+  the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
+  patch, i.e. a matrix product. As a convolution it is ~30x slower on CPU than the same product
+  as a matmul. `convs_as_linear` computes exactly that product when the input is one kernel
+  large, and falls back to the convolution otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_KEEP_BYTES = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB of free heap is kept
+
+_tuned = False
+# Only reduced-precision models take the rewritten paths: in float32 the engine stays
+# transformers' arithmetic (parity tests hold logits to 1e-4, and a matmul sums a patch in another
+# order than the convolution: ~1e-4 apart after a few layers of the tiny models).
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def tune_allocator() -> bool:
+    """Keep large freed blocks for reuse instead of returning them to the OS on every free.
+
+    Process-wide and once. Memory is still reused (and RSS stays near the peak of a step, as with
+    tcmalloc, which vLLM's CPU build preloads). Returns whether glibc accepted the settings."""
+    global _tuned
+    if _tuned:
+        return True
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        # glibc refuses an mmap threshold above its heap limit (32 MiB on some builds): then that limit.
+        mmap_ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) or bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+        ok = mmap_ok and bool(libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        ok = False
+    _tuned = ok
+    logger.info("allocator: large CPU temporaries {} reused from the heap", "are" if ok else "cannot be (no glibc)")
+    return ok
+
+
+def row_bucket(rows: int) -> int:
+    """The padded row count: exact up to 32 rows (decode batches); above, a multiple of 32 or of
+    1/8 of the power of two below `rows`, whichever is larger: at most 12.5% padding past 256 rows,
+    8 sizes per doubling (63 sizes up to 2048 rows)."""
+    if rows <= 32:
+        return rows
+    step = max(32, (1 << (rows.bit_length() - 1)) // 8)
+    return -(-rows // step) * step
+
+
+def _bucketed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = row_bucket(rows)
+    if padded == rows:
+        return F.linear(x, self.weight, self.bias)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return F.linear(flat, self.weight, self.bias)[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def bucket_linear_rows(model: torch.nn.Module) -> int:
+    """Route every `nn.Linear` of `model` whose weight is bfloat16/float16 through row bucketing
+    (instance-level forward; modules, parameters and hooks stay as they are). Returns the count."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype in _REDUCED:
+            module.forward = types.MethodType(_bucketed_linear_forward, module)
+            count += 1
+    return count
+
+
+def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if tuple(x.shape[2:]) != tuple(self.kernel_size):
+        return self._conv_forward(x, self.weight, self.bias)
+    out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
+    return out.view(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
+
+
+def convs_as_linear(model: torch.nn.Module) -> int:
+    """Reduced-precision patch-embedding convolutions (stride = kernel, no padding, no groups/dilation) compute a
+    matmul when their input is exactly one kernel; give them that path. Returns the count."""
+    count = 0
+    for module in model.modules():
+        if type(module) not in (torch.nn.Conv2d, torch.nn.Conv3d) or module.weight.dtype not in _REDUCED:
+            continue
+        if (module.stride != module.kernel_size or module.groups != 1 or any(module.padding)
+                or any(d != 1 for d in module.dilation) or module.padding_mode != "zeros"):
+            continue
+        module.forward = types.MethodType(_conv_as_linear_forward, module)
+        count += 1
+    return count
+
+
+def speed_up_for_cpu(model: torch.nn.Module, *, sharded: bool = False) -> None:
+    """All of the above for a model about to serve on CPU (logs what was done).
+
+    A tensor-parallel model keeps transformers' own linear forwards: its plan hooks them.
+    TGI_VLM_CPU_SPEEDUPS=0 turns all of it off (for benchmarks that measure what it buys)."""
+    if os.environ.get("TGI_VLM_CPU_SPEEDUPS", "1") == "0":
+        logger.info("TGI_VLM_CPU_SPEEDUPS=0: CPU speed-ups off")
+        return
+    tune_allocator()
+    convs = convs_as_linear(model)
+    linears = 0 if sharded else bucket_linear_rows(model)
+    logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
+                "rows to reuse oneDNN kernels", convs, linears)

@@ -1,0 +1,72 @@
+"""layers/cpu.py: the CPU rewrites compute what transformers' modules compute."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tgi_vlm.layers import cpu
+
+
+def test_row_bucket_is_exact_for_decode_sizes_and_bounded_above():
+    assert [cpu.row_bucket(n) for n in (1, 7, 32)] == [1, 7, 32]
+    assert [cpu.row_bucket(n) for n in (33, 64, 65, 256, 257, 600, 1025, 2048)] == [64, 64, 96, 256, 288, 640, 1152, 2048]
+    for n in range(1, 5000):
+        b = cpu.row_bucket(n)
+        assert n <= b and (b - n < 32 or b <= n * 1.125), n
+    assert len({cpu.row_bucket(n) for n in range(1, 2049)}) == 32 + 7 + 8 + 8 + 8
+
+
+def test_bucketed_linear_equals_plain_linear_rows(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40).to(torch.bfloat16)
+    model = torch.nn.Sequential(layer)
+    assert cpu.bucket_linear_rows(model) == 1
+    for rows in (1, 5, 33, 100, 300):
+        x = torch.randn(1, rows, 48, dtype=torch.bfloat16)
+        got = layer(x)
+        assert got.shape == (1, rows, 40)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+
+
+def test_bucketing_leaves_float32_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert cpu.bucket_linear_rows(model) == 0
+    assert "forward" not in vars(model[0])
+
+
+def test_patch_conv_as_matmul_matches_the_convolution():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 16, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).to(torch.bfloat16)
+    x = torch.randn(10, 3, 2, 14, 14, dtype=torch.bfloat16)
+    expected = conv(x)
+    assert cpu.convs_as_linear(torch.nn.Sequential(conv)) == 1
+    got = conv(x)
+    assert got.shape == expected.shape == (10, 16, 1, 1, 1)
+    # same products, another summation order: bf16 rounding apart
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(got, torch.zeros_like(got))
+    # an input larger than one kernel still convolves (and exactly as before)
+    big = torch.randn(1, 3, 2, 28, 28, dtype=torch.bfloat16)
+    torch.testing.assert_close(conv(big), conv._conv_forward(big, conv.weight, conv.bias), rtol=0, atol=0)
+
+
+def test_convs_with_padding_or_overlap_are_not_touched():
+    overlapping = torch.nn.Conv2d(3, 4, kernel_size=3, stride=1).to(torch.bfloat16)
+    padded = torch.nn.Conv2d(3, 4, kernel_size=2, stride=2, padding=1).to(torch.bfloat16)
+    fp32 = torch.nn.Conv2d(3, 4, kernel_size=2, stride=2)
+    assert cpu.convs_as_linear(torch.nn.Sequential(overlapping, padded, fp32)) == 0
+
+
+def test_allocator_tuning_is_accepted_by_glibc():
+    assert cpu.tune_allocator() is True
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("TGI_VLM_CPU_SPEEDUPS", "0")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16))
+    cpu.speed_up_for_cpu(model)
+    assert "forward" not in vars(model[0])
+    monkeypatch.setenv("TGI_VLM_CPU_SPEEDUPS", "1")
+    cpu.speed_up_for_cpu(model)
+    assert "forward" in vars(model[0])
