@@ -43,10 +43,21 @@ class TorchPagedBackend(AttentionBackend):
             else:
                 k_span = _gather(k_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, kv_len, D]
                 v_span = _gather(v_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)
-            mask = meta.prefill_mask(index, sliding_window, chunk)
-            o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
+            if not softcap and _plain_causal(span, sliding_window, chunk):
+                # No mask tensor: SDPA's causal kernel also skips the blocks above the diagonal.
+                o = F.scaled_dot_product_attention(q_span, k_span, v_span, is_causal=True, scale=scaling, enable_gqa=True)
+            else:
+                mask = meta.prefill_mask(index, sliding_window, chunk)
+                o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
             out[span.q_start : span.q_end] = o[0].transpose(0, 1)
         return out[None]
+
+
+def _plain_causal(span, sliding_window: int | None, chunk: int | None) -> bool:
+    """The span's mask is exactly the lower triangle: a whole sequence (no cached prefix), no
+    bidirectional image block, and no window or attention chunk shorter than the sequence."""
+    return (span.kv_len == span.q_len and span.bidirectional_groups is None
+            and (not sliding_window or sliding_window >= span.kv_len) and (not chunk or chunk >= span.kv_len))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
