@@ -13,6 +13,7 @@ the architecture adapter through the shard's own intake functions:
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tgi_vlm.config import InputLimits
@@ -36,6 +37,24 @@ class PromptTokens:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+@contextmanager
+def _one_torch_thread():
+    """The image processor's tensor ops on one intra-op thread: the router runs beside the shard,
+    whose forward owns the cores; a second processor thread would stall the shard's at every
+    parallel region (measured in benchmarks/results/cpu-profile.md)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class TokenCounter:
@@ -76,7 +95,7 @@ class TokenCounter:
 
     def input_ids(self, request: pb.Request) -> list[int]:
         """The prompt's token ids as the shard builds them (image placeholders expanded), truncated."""
-        with self._lock:
+        with self._lock, _one_torch_thread():
             try:
                 ids = self._ids(request)
             except InvalidRequest as exc:
@@ -84,7 +103,7 @@ class TokenCounter:
         return ids[-request.truncate:] if request.truncate else ids
 
     def tokenize(self, request: pb.Request) -> PromptTokens:
-        with self._lock:
+        with self._lock, _one_torch_thread():
             try:
                 return self._tokenize(request)
             except InvalidRequest as exc:
