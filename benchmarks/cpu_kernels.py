@@ -55,11 +55,11 @@ def linear_table(repeat: int) -> list[dict]:
             w = torch.randn(n, k, dtype=dtype) * 0.02
             for m in ROWS:
                 x = torch.randn(m, k, dtype=dtype)
-                plain = fastest_ms(lambda: F.linear(x, w), repeat)
+                plain = fastest_ms(lambda x=x, w=w: F.linear(x, w), repeat)
                 packed = None
                 if dtype == torch.bfloat16:
                     pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                    packed = fastest_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), repeat)
+                    packed = fastest_ms(lambda x=x, pw=pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), repeat)
                 rows.append(dict(dtype=str(dtype).removeprefix("torch."), layer=name, rows=m, f_linear_ms=plain,
                                  packed_ms=packed))
     return rows
@@ -94,8 +94,8 @@ def patch_embed(repeat: int) -> list[dict]:
         x = torch.randn(1024, 3, 2, 14, 14, dtype=dtype)  # one 448x448 image
         w = conv.weight.reshape(256, -1)
         rows.append(dict(dtype=str(dtype).removeprefix("torch."), patches=1024,
-                         conv3d_ms=fastest_ms(lambda: conv(x), max(3, repeat // 5)),
-                         matmul_ms=fastest_ms(lambda: F.linear(x.reshape(1024, -1), w), repeat)))
+                         conv3d_ms=fastest_ms(lambda conv=conv, x=x: conv(x), max(3, repeat // 5)),
+                         matmul_ms=fastest_ms(lambda x=x, w=w: F.linear(x.reshape(1024, -1), w), repeat)))
     return rows
 
 
