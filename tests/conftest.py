@@ -25,10 +25,18 @@ def _tiny_cache(tmp_path_factory):
     yield
 
 
+# Shards started by tests compare with transformers in float32 (or with figures measured in float32): pinned,
+# since the default dtype on a CPU with native bf16 is bfloat16.
+FLOAT32_SHARD_ARGS = ["--dtype", "float32"]
+
+
 def load_engine(arch: str, **config_overrides):
+    """The engine for `arch`'s tiny model, in float32 unless `dtype` says otherwise: the parity tests compare
+    with transformers in float32 (token-exact, logits within 1e-4), and the default dtype on a CPU with
+    native bf16 is bfloat16."""
     from tgi_vlm.config import EngineConfig
     from tgi_vlm.models import get_model
     from tgi_vlm.testing import tiny_model_path
 
-    config = EngineConfig(device="cpu", cpu_kv_cache_bytes=32 << 20, **config_overrides)
+    config = EngineConfig(**{"device": "cpu", "cpu_kv_cache_bytes": 32 << 20, "dtype": "float32", **config_overrides})
     return get_model(str(tiny_model_path(arch)), config)

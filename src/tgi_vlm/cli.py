@@ -36,6 +36,15 @@ class Dtype(str, Enum):
     float32 = "float32"
 
 
+DTYPE_HELP = ("Model dtype (default: bfloat16 on a CPU with AMX / AVX512-BF16, else float32; on a GPU, TGI's "
+              "per-architecture float16 / bfloat16)")
+
+
+def dtype_args(dtype: Optional[Dtype]) -> list[str]:
+    """`serve` flags for a shard started by generate / bench / launch: --dtype only when given (TGI's launcher)."""
+    return ["--dtype", dtype.value] if dtype else []
+
+
 class TinySize(str, Enum):
     tiny = "tiny"
     bench = "bench"
@@ -77,7 +86,7 @@ def serve(
     sharded: bool = False,
     quantize: Optional[str] = None,
     speculate: Optional[int] = None,
-    dtype: Optional[Dtype] = None,
+    dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP)] = None,
     kv_cache_dtype: Optional[str] = None,
     trust_remote_code: bool = False,
     uds_path: str = "/tmp/text-generation-server",
@@ -218,6 +227,7 @@ def generate(
                                                          "otherwise start one there")] = None,
     demo: Annotated[bool, typer.Option(help="A built-in prompt and a generated test image")] = False,
     prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache")] = True,
+    dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP)] = None,
     logger_level: str = "WARNING",
 ) -> None:
     """Start a shard (as TGI's launcher does), stream one request's tokens, print timings, stop the shard."""
@@ -240,7 +250,8 @@ def generate(
                            top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
     try:
         config = RouterConfig(prefix_caching=prefix_caching)
-        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config))
+        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config,
+                                          shard_args=dtype_args(dtype)))
     except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: no such model (transformers' loaders)
         _fail(f"{type(exc).__name__}: {exc}")
     for line in timing_lines(result):
@@ -268,7 +279,7 @@ def launch(
     max_waiting_tokens: int = 20,
     max_client_batch_size: int = 4,
     validation_workers: int = 2,
-    dtype: Optional[Dtype] = None,
+    dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP)] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="API_KEY", help="Require 'Authorization: Bearer KEY'")] = None,
     payload_limit: Annotated[int, typer.Option(help="Largest request body, bytes")] = 2_000_000,
     max_image_fetch_size: Annotated[int, typer.Option(help="Largest image fetched from a URL, bytes")] = 20 * 1024 * 1024,
@@ -306,7 +317,7 @@ def launch(
                           max_batch_prefill_tokens=max_batch_prefill_tokens or input_tokens + 50,
                           max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
                           waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens)
-    shard_args = ["--max-input-tokens", str(input_tokens)] + (["--dtype", dtype.value] if dtype else [])
+    shard_args = ["--max-input-tokens", str(input_tokens), *dtype_args(dtype)]
     config = LaunchConfig(api, router, shard_args=shard_args, shard_uds_path=shard_uds_path,
                           graceful_termination_timeout_s=graceful_termination_timeout,
                           log_level=logger_level.lower())
@@ -353,6 +364,8 @@ def bench(
     system_tokens: Annotated[int, typer.Option(help="Shared system prompt, tokens (shared-prefix: default 256)")] = 0,
     conversations: Annotated[int, typer.Option(help="multiturn: conversations run concurrently")] = 16,
     turns: Annotated[int, typer.Option(help="multiturn: turns per conversation (sequential)")] = 4,
+    dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP + "; with --url: what that server runs, "
+                                                   "for the transformers reference")] = None,
 ) -> None:
     """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
     running launch, --url), vs transformers; or (--workload multiturn / shared-prefix) the driver's prefix
@@ -381,7 +394,7 @@ def bench(
 
     if workload in ("multiturn", "shared-prefix"):
         _bench_prefix(model_id, workload, config, uds_path, out_dir, name, seed=seed, conversations=conversations,
-                      turns=turns, spec=workload_spec(system_tokens or 256))
+                      turns=turns, spec=workload_spec(system_tokens or 256), shard_args=dtype_args(dtype))
         return
     if workload != "synthetic":
         _fail(f"unknown --workload {workload!r}; known: synthetic, multiturn, shared-prefix")
@@ -402,14 +415,15 @@ def bench(
                                                    progress=lambda: progress.advance(task)))
         else:
             serving = asyncio.run(b.run_serving(
-                model_id, items, spec, uds_path=uds_path, config=config,
+                model_id, items, spec, uds_path=uds_path, config=config, shard_args=dtype_args(dtype),
                 profile_to=out_dir / f"{name}.pyspy.txt" if profile else None,
                 progress=lambda: progress.advance(task)))
         reference = None
         if hf:
             ref_task = progress.add_task("transformers", total=len(items))
             reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
-                                        progress=lambda n: progress.advance(ref_task, n))
+                                        progress=lambda n: progress.advance(ref_task, n),
+                                        dtype=b.reference_dtype(model_id, serving.dtype, dtype and dtype.value))
     report = b.summarize(spec, items, serving, reference, model_id)
     report["transport"] = f"HTTP {url}" if url else "router driver"
     Console(width=140).print(b.result_table(report))
@@ -420,7 +434,7 @@ def bench(
 
 
 def _bench_prefix(model_id: str, workload: str, config, uds_path: str | None, out_dir: Path, name: str | None, *,
-                  seed: int, conversations: int, turns: int, spec) -> None:
+                  seed: int, conversations: int, turns: int, spec, shard_args: list[str]) -> None:
     """The prefix-cache comparison: `workload` with the driver's prefix cache off, then on."""
     import asyncio
 
@@ -443,7 +457,7 @@ def _bench_prefix(model_id: str, workload: str, config, uds_path: str | None, ou
     with _PlainProgress(Console(stderr=True)) as progress:
         task = progress.add_task(f"{workload}, prefix caching off then on", total=total)
         results = asyncio.run(bp.run_modes(model_id, items, spec, config=config, uds_path=uds_path,
-                                           progress=lambda: progress.advance(task)))
+                                           shard_args=shard_args, progress=lambda: progress.advance(task)))
     report = bp.compare(workload, spec, results, model_id, machine)
     report["machine_end"] = bp.machine_info()
     for line in bp.summary_lines(report):

@@ -102,7 +102,7 @@ class EngineConfig:
     """What the model runner needs: device, dtype, attention, KV cache and generation knobs."""
 
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    dtype: str | None = None  # --dtype; None: tgi_vlm.dtypes' default rule, resolved when the model loads
     attention: str = "torch"
     block_size: int = 16
     prefix_caching: bool = False
@@ -125,12 +125,6 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 << 20
     limits: InputLimits = field(default_factory=InputLimits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
-
-    @property
-    def torch_dtype_name(self) -> str:
-        if self.dtype:
-            return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:

@@ -33,7 +33,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from tests.conftest import load_engine
+from tests.conftest import FLOAT32_SHARD_ARGS, load_engine
 from tests.e2e.driving import CONFIG, drive_router, tokens_of
 from tests.server.rpc_harness import rpc_error, running_shard
 from tgi_vlm.config import InputLimits
@@ -291,7 +291,7 @@ def assert_others_as_alone(joined: Joined, solo: dict[str, list[int]]) -> None:
 
 @pytest.fixture(scope="module")
 def shard():
-    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV) as process:
+    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV, extra_args=FLOAT32_SHARD_ARGS) as process:
         yield process
 
 

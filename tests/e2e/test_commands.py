@@ -28,7 +28,10 @@ def test_tiny_model_then_generate_demo_streams_a_text_and_image_request(tmp_path
     assert result.exit_code == 0, result.output
     assert {"config.json", "model.safetensors", "processor_config.json"} <= {p.name for p in model.iterdir()}
 
-    result = runner.invoke(cli.app, ["generate", str(model), "--demo", "--max-new-tokens", "4", "--ignore-eos"])
+    result = runner.invoke(cli.app, ["generate", str(model), "--demo", "--max-new-tokens", "4", "--ignore-eos",
+                                     "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert "tokens: 4 (length)" in lines and any(line.startswith("TTFT: ") for line in lines), result.output
+    # --dtype reached the shard it started: its Info says so.
+    assert any(line.startswith("shard startup: ") and line.endswith(" s (float32 on cpu)") for line in lines), lines

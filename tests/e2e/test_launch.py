@@ -23,6 +23,7 @@ from huggingface_hub import errors as hub_errors
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.e2e.launching import ImageServer, Launch
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.api.images import split_markdown
@@ -55,7 +56,7 @@ def launch(model):
     server = Launch(model, "--max-input-tokens", str(MAX_INPUT), "--max-total-tokens", str(MAX_TOTAL),
                     "--max-batch-prefill-tokens", "1024", "--max-concurrent-requests", "64",
                     "--payload-limit", str(PAYLOAD_LIMIT), "--api-key", KEY,
-                    "--max-image-fetch-size", str(FETCH_LIMIT), "--image-fetch-timeout", "1")
+                    "--max-image-fetch-size", str(FETCH_LIMIT), "--image-fetch-timeout", "1", *FLOAT32_SHARD_ARGS)
     yield server
     assert server.stop() == 0, "".join(server.output[-30:])
     assert "tgi-vlm: stopped\n" in server.output
@@ -98,6 +99,11 @@ def assert_like_transformers(chunks: tuple, got: list[int], finish_reason: str) 
 
 
 # ----- plain HTTP --------------------------------------------------------------------------------
+
+def test_the_banner_names_the_dtype_launch_passed_to_the_shard(launch):
+    banner = next(line for line in launch.output if line.startswith("tgi-vlm: serving "))
+    assert f" on {launch.url} (float32 on cpu, max_input_tokens {MAX_INPUT}, " in banner, banner
+
 
 def test_info_health_models_and_metrics_answer_without_a_key(launch, model):
     assert httpx.get(f"{launch.url}/health").status_code == 200

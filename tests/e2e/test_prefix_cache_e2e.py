@@ -11,6 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.e2e.driving import CONFIG, drive_router, tokens_of
 from tests.models.prefix_routing import common_blocks
 from tests.models.vlm_reference import hf_reference
@@ -69,7 +70,7 @@ class RecordingClient:
 
 @pytest.fixture(scope="module")
 def shard():
-    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV) as process:
+    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV, extra_args=FLOAT32_SHARD_ARGS) as process:
         yield process
 
 

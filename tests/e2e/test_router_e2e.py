@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.e2e.driving import drive_router, tokens_of
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.pb import generate_pb2 as pb
@@ -71,7 +72,7 @@ class CountingClient:
 
 @pytest.fixture(scope="module")
 def shard():
-    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV) as process:
+    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV, extra_args=FLOAT32_SHARD_ARGS) as process:
         yield process
 
 

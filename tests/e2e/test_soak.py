@@ -15,6 +15,7 @@ import asyncio
 import pytest
 
 from benchmarks.soak import SHARD_ENV, SoakConfig, soak
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tgi_vlm.router import ShardProcess, TokenCounter
 from tgi_vlm.testing import tiny_model_path
 
@@ -31,7 +32,7 @@ RSS_GROWTH_BOUND_MB = 64
 
 @pytest.fixture(scope="module")
 def shard():
-    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV) as process:
+    with ShardProcess(str(tiny_model_path(ARCH)), env=SHARD_ENV, extra_args=FLOAT32_SHARD_ARGS) as process:
         yield process
 
 

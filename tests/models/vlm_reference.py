@@ -16,22 +16,28 @@ from tgi_vlm.testing import tiny_model_path
 
 
 @lru_cache(maxsize=2)
-def reference_model(arch: str):
+def reference_model(arch: str, dtype: torch.dtype = torch.float32):
     enable_transformers_generate()  # transformers' own Llama4 forward needs it (see llama4.py)
     path = tiny_model_path(arch)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
     processor = AutoProcessor.from_pretrained(path)
     return model, processor, prompt_for(model.config.model_type)(processor, model.config)
 
 
-def hf_reference(arch: str, chunks: tuple, max_new_tokens: int) -> Reference:
-    """Greedy tokens and logits from transformers for a request given as text (str) / image (bytes) chunks."""
-    model, processor, adapter = reference_model(arch)
+def hf_inputs(arch: str, chunks: tuple, dtype: torch.dtype = torch.float32) -> dict:
+    """The processor's tensors for a request given as text (str) / image (bytes) chunks; floating ones
+    (pixel values) in `dtype`, as the engine hands them to the vision tower."""
+    model, processor, adapter = reference_model(arch, dtype)
     parts = [c if isinstance(c, str) else None for c in chunks]
     images = [Image.open(io.BytesIO(c)).convert("RGB") for c in chunks if isinstance(c, bytes)]
     text = adapter.build_prompt(parts)
     inputs = dict(adapter.process(text, images))
     inputs.pop("labels", None)
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].float()
-    return hf_greedy(model, inputs, max_new_tokens)
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def hf_reference(arch: str, chunks: tuple, max_new_tokens: int, dtype: torch.dtype = torch.float32,
+                 forced: list[int] | None = None) -> Reference:
+    """Greedy tokens and logits from transformers for a request given as text (str) / image (bytes) chunks
+    (`forced`: transformers' logits along these tokens instead, see hf_greedy)."""
+    return hf_greedy(reference_model(arch, dtype)[0], hf_inputs(arch, chunks, dtype), max_new_tokens, forced)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.models.reference import hf_greedy
 from tests.models.test_text_generation_features import router_warmup
 from tgi_vlm.pb import generate_pb2 as pb
@@ -70,7 +71,8 @@ def shard():
     script = Path(sys.executable).parent / "text-generation-server"
     with open(stdout_path, "w") as stdout:
         process = subprocess.Popen(
-            [str(script), "serve", str(model_dir), "--uds-path", base, "--logger-level", "INFO", "--json-output"],
+            [str(script), "serve", str(model_dir), "--uds-path", base, "--logger-level", "INFO", "--json-output",
+             *FLOAT32_SHARD_ARGS],
             env={**os.environ, **LAUNCHER_ENV, "PYTHONPATH": CHECKOUT_PYTHONPATH}, stdout=stdout,
             stderr=subprocess.DEVNULL, umask=0,  # the socket must be owner-only whatever the launcher's umask
         )

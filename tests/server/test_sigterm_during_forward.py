@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.server.test_real_shard import CHECKOUT_PYTHONPATH, LAUNCHER_ENV, _wait_for_socket
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.pb import generate_pb2_grpc
@@ -26,7 +27,7 @@ def test_sigterm_during_a_forward_lets_it_finish_then_exits_cleanly():
     script = Path(sys.executable).parent / "text-generation-server"
     with open(stdout_path, "w") as stdout:
         process = subprocess.Popen(
-            [str(script), "serve", str(tiny_model_path("llama")), "--uds-path", base, "--json-output"],
+            [str(script), "serve", str(tiny_model_path("llama")), "--uds-path", base, "--json-output", *FLOAT32_SHARD_ARGS],
             # A grace well above the forward's length, so a busy CI machine cannot cut the forward short.
             env={**os.environ, **LAUNCHER_ENV, "TGI_VLM_CPU_KV_CACHE_GB": "0.2", "TGI_VLM_SHUTDOWN_GRACE_S": "120",
                  "PYTHONPATH": CHECKOUT_PYTHONPATH},

@@ -112,9 +112,10 @@ def banner(state: ApiState, url: str) -> str:
     image = tiny_png_data_uri() if state.takes_images else None
     chat_content = ('[{"type": "text", "text": "Describe this image."}, '
                     f'{{"type": "image_url", "image_url": {{"url": "{image}"}}}}]' if image else '"Hello!"')
+    shard = state.router.shard.info
     lines = [
-        f"tgi-vlm: serving {state.config.model_id} on {url} "
-        f"(max_input_tokens {state.lengths.max_input_tokens}, max_total_tokens {state.lengths.max_total_tokens})",
+        f"tgi-vlm: serving {state.config.model_id} on {url} ({shard.dtype} on {shard.device_type}, "
+        f"max_input_tokens {state.lengths.max_input_tokens}, max_total_tokens {state.lengths.max_total_tokens})",
         "",
         "Try it:",
         f"  curl {url}/generate{auth} -H 'Content-Type: application/json' \\",

@@ -9,6 +9,7 @@ import torch
 from loguru import logger
 
 from tgi_vlm.config import EngineConfig
+from tgi_vlm.dtypes import DtypeChoice, checkpoint_dtype, cpu_has_native_bf16, resolve_dtype
 from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,7 +23,9 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     config = dataclasses.replace(config, attention=backend)  # what actually runs (Info reports it)
     _log_inert_switches(config)
     hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
-    dtype = DTYPES[config.torch_dtype_name]
+    choice = choose_dtype(config, hf_config)
+    config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
+    dtype = DTYPES[choice.name]
     if _is_vision_language(hf_config):
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
@@ -35,6 +38,15 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
 
         speed_up_for_cpu(engine.model, sharded=config.world_size > 1)
     return engine
+
+
+def choose_dtype(config: EngineConfig, hf_config) -> DtypeChoice:
+    """`config.dtype` (--dtype) or the default rule of tgi_vlm.dtypes for this device and checkpoint; logged."""
+    on_cpu = config.device.startswith("cpu")
+    choice = resolve_dtype(config.dtype, config.device, checkpoint_dtype(hf_config),
+                           cpu_has_bf16=on_cpu and cpu_has_native_bf16(), model_type=hf_config.model_type)
+    logger.info("dtype {} ({})", choice.name, choice.reason)
+    return choice
 
 
 def _log_inert_switches(config: EngineConfig) -> None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class ServingResult:
     profile: dict[str, float] = field(default_factory=dict)  # function → share of shard samples
     prefix: dict = field(default_factory=dict)  # the router's PrefixStats after the run
     cpu_s: dict = field(default_factory=dict)  # CPU seconds used during the run: "shard", "router"
+    dtype: str | None = None  # what the shard runs in (its Info); None over HTTP (TGI's /info does not say)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ReferenceResult:
     wall_s: float
     outputs: list[list[int]]
     batch_latencies_s: list[float]
+    dtype: str = "float32"
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -71,9 +74,10 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 # ----- serving -------------------------------------------------------------------------------
 
 async def run_serving(model_id: str, items: list[WorkItem], spec: WorkloadSpec, *, uds_path: str | None = None,
-                      shard_env: dict | None = None, config: RouterConfig | None = None, profile_to: Path | None = None,
-                      progress=None) -> ServingResult:
-    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, config=config) as session:
+                      shard_env: dict | None = None, shard_args: Sequence[str] = (), config: RouterConfig | None = None,
+                      profile_to: Path | None = None, progress=None) -> ServingResult:
+    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, shard_args=shard_args,
+                              config=config) as session:
         router = session.router
         await warm_up(router, items[0].image_sizes)
         spy = _start_profiler(session.shard, profile_to)
@@ -97,7 +101,7 @@ async def run_serving(model_id: str, items: list[WorkItem], spec: WorkloadSpec, 
         used = cpu.used()
         profile = _stop_profiler(spy, profile_to)
         return ServingResult(wall, results, list(router.steps), dict(router.calls), profile,
-                             router.prefix_stats.to_dict(), used)
+                             router.prefix_stats.to_dict(), used, router.shard.info.dtype)
 
 
 class CpuClock:
@@ -196,7 +200,9 @@ def _bucket(frames: list[str]) -> str:
 
 # ----- transformers reference ----------------------------------------------------------------
 
-def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progress=None) -> ReferenceResult:
+def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progress=None,
+                  dtype: str = "float32") -> ReferenceResult:
+    """`dtype`: the serving run's, so both sides do the same arithmetic."""
     import io
 
     import torch
@@ -207,7 +213,7 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
     from tgi_vlm.models.architectures.llama4 import enable_transformers_generate
 
     enable_transformers_generate()  # the reference runs transformers' own generate
-    model = AutoModelForImageTextToText.from_pretrained(model_id, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_id, dtype=getattr(torch, dtype)).eval()
     processor = AutoProcessor.from_pretrained(model_id)
     processor.tokenizer.padding_side = "left"
     prompt = prompt_for(model.config.model_type)(processor, model.config)
@@ -239,7 +245,20 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
         outputs += [row[: it.params.max_new_tokens].tolist() for row, it in zip(sequences, batch)]
         if progress is not None:
             progress(len(batch))
-    return ReferenceResult(time.perf_counter() - start, outputs, latencies)
+    return ReferenceResult(time.perf_counter() - start, outputs, latencies, dtype)
+
+
+def reference_dtype(model_id: str, serving_dtype: str | None, requested: str | None) -> str:
+    """The reference runs on this CPU in the dtype the shard ran in; over HTTP, where the shard's dtype is not
+    reported, in `requested` (bench --dtype) or what a shard here would pick by default (tgi_vlm.dtypes)."""
+    if serving_dtype:
+        return serving_dtype
+    from transformers import AutoConfig
+
+    from tgi_vlm.dtypes import checkpoint_dtype, cpu_has_native_bf16, resolve_dtype
+
+    config = AutoConfig.from_pretrained(model_id)
+    return resolve_dtype(requested, "cpu", checkpoint_dtype(config), cpu_has_native_bf16(), config.model_type).name
 
 
 # ----- report --------------------------------------------------------------------------------
@@ -252,6 +271,7 @@ def summarize(spec: WorkloadSpec, items: list[WorkItem], serving: ServingResult,
     itl = [x for r in ok for x in r.itl_s]
     report = {
         "model": Path(model_id).name,  # no local paths in results
+        "dtype": serving.dtype,  # None over HTTP: TGI's /info does not report it
         "workload": spec.to_dict(),
         "prompt_tokens_mean": float(np.mean([it.prompt_tokens for it in items])),
         "output_tokens": sum(it.params.max_new_tokens for it in items),
@@ -272,6 +292,7 @@ def summarize(spec: WorkloadSpec, items: list[WorkItem], serving: ServingResult,
         matches = sum(r.tokens == o for r, o in zip(serving.requests, reference.outputs))
         report["transformers"] = {
             "wall_s": reference.wall_s,
+            "dtype": reference.dtype,
             "req_per_s": len(items) / reference.wall_s,
             "out_tok_per_s": ref_tokens / reference.wall_s,
             "batch_latency_s": percentiles(reference.batch_latencies_s),
@@ -370,7 +391,8 @@ def _ms(p: dict) -> str:
 
 
 def summary_lines(report: dict) -> list[str]:
-    lines = []
+    lines = [f"dtype: tgi-vlm {report.get('dtype') or 'not reported (HTTP)'}"
+             + (f", transformers {report['transformers']['dtype']}" if "transformers" in report else "")]
     if "throughput_ratio" in report:
         n = report["workload"]["num_requests"]
         lines.append(f"throughput ratio (tgi-vlm / transformers): {report['throughput_ratio']:.2f}x; "

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,9 +37,11 @@ MODES = (("off", False), ("on", True))
 
 
 async def run_chats(model_id: str, conversations: list[Conversation], *, config: RouterConfig,
-                    uds_path: str | None = None, shard_env: dict | None = None, progress=None) -> ServingResult:
+                    uds_path: str | None = None, shard_env: dict | None = None, shard_args: Sequence[str] = (),
+                    progress=None) -> ServingResult:
     """Every conversation concurrently; results ordered conversation by conversation, turn by turn."""
-    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, config=config) as session:
+    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, shard_args=shard_args,
+                              config=config) as session:
         router = session.router
         await warm_up(router, conversations[0].image_sizes)
         turns = len(conversations[0].questions)
@@ -61,22 +64,22 @@ async def run_chats(model_id: str, conversations: list[Conversation], *, config:
         await asyncio.gather(*[talk(c, conv) for c, conv in enumerate(conversations)])
         wall = time.perf_counter() - start
         return ServingResult(wall, results, list(router.steps), dict(router.calls), {}, router.prefix_stats.to_dict(),
-                             cpu.used())
+                             cpu.used(), router.shard.info.dtype)
 
 
 async def run_modes(model_id: str, workload: list[Conversation] | list[WorkItem], spec: ConversationSpec | WorkloadSpec,
                     *, config: RouterConfig, uds_path: str | None = None, shard_env: dict | None = None,
-                    progress=None) -> dict[str, ServingResult]:
+                    shard_args: Sequence[str] = (), progress=None) -> dict[str, ServingResult]:
     """The workload once per mode (prefix caching off, then on)."""
     results = {}
     for name, on in MODES:
         mode_config = replace(config, prefix_caching=on)
         if isinstance(spec, ConversationSpec):
             results[name] = await run_chats(model_id, workload, config=mode_config, uds_path=uds_path,
-                                            shard_env=shard_env, progress=progress)
+                                            shard_env=shard_env, shard_args=shard_args, progress=progress)
         else:
             results[name] = await run_serving(model_id, workload, spec, uds_path=uds_path, shard_env=shard_env,
-                                              config=mode_config, progress=progress)
+                                              shard_args=shard_args, config=mode_config, progress=progress)
     return results
 
 
@@ -112,6 +115,7 @@ def compare(workload: str, spec, results: dict[str, ServingResult], model_id: st
     return {
         "workload": workload,
         "model": Path(model_id).name,  # no local paths in results
+        "dtype": results["on"].dtype,
         "spec": spec.to_dict(),
         "machine": machine,
         "requests": len(results["on"].requests),
@@ -147,7 +151,7 @@ def markdown(report: dict, machine_end: dict | None = None) -> str:
     lines = [
         f"# prefix caching — {report['workload']} — {m['date']}",
         "",
-        f"{report['model']}, float32, CPU ({m['cores']} cores, torch threads {m['torch_threads']} in the shard and "
+        f"{report['model']}, {report.get('dtype') or 'float32'}, CPU ({m['cores']} cores, torch threads {m['torch_threads']} in the shard and "
         f"the router: the shard inherits the environment); "
         f"1-min load average {m['load_avg_1m']:.1f} at the start"
         + (f", {load_end:.1f} at the end" if load_end is not None else "")

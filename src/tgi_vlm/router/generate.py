@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -26,6 +27,7 @@ class GenerateResult:
     tokens: list[TokenEvent]
     startup_s: float
     submitted: float
+    shard: str = ""  # what runs, from the shard's Info: "bfloat16 on cpu"
 
     @property
     def ttft_s(self) -> float | None:
@@ -39,13 +41,17 @@ class GenerateResult:
 
 
 async def generate(model_id: str, params: RequestParams, *, uds_path: str | None = None,
-                   config: RouterConfig | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> GenerateResult:
+                   config: RouterConfig | None = None, shard_args: Sequence[str] = (), out: TextIO = sys.stdout,
+                   err: TextIO = sys.stderr) -> GenerateResult:
+    """`shard_args`: extra `serve` flags for a shard this starts (e.g. --dtype)."""
     start = time.perf_counter()
     print(f"starting {'or connecting to ' if uds_path else ''}the shard for {model_id} ...", file=err, flush=True)
-    async with router_session(model_id, uds_path=uds_path, config=config) as session:
+    async with router_session(model_id, uds_path=uds_path, shard_args=shard_args, config=config) as session:
         startup_s = time.perf_counter() - start
         where = "started" if session.shard is not None else "connected to"
-        print(f"{where} {session.socket} in {startup_s:.1f} s", file=err, flush=True)
+        info = session.router.shard.info
+        shard = f"{info.dtype} on {info.device_type}"
+        print(f"{where} {session.socket} in {startup_s:.1f} s ({shard})", file=err, flush=True)
         submitted = time.perf_counter()
         stream = await session.router.submit(params)
         tokens: list[TokenEvent] = []
@@ -57,7 +63,7 @@ async def generate(model_id: str, params: RequestParams, *, uds_path: str | None
             else:
                 final = event
         out.write("\n")
-    return GenerateResult(final, tokens, startup_s, submitted)
+    return GenerateResult(final, tokens, startup_s, submitted, shard)
 
 
 def timing_lines(result: GenerateResult) -> list[str]:
@@ -68,5 +74,5 @@ def timing_lines(result: GenerateResult) -> list[str]:
     if result.decode_tokens_per_s is not None:
         total = result.tokens[-1].time - result.submitted
         lines.append(f"decode: {result.decode_tokens_per_s:.1f} tokens/s; end to end: {n / total:.1f} tokens/s")
-    lines.append(f"shard startup: {result.startup_s:.1f} s")
+    lines.append(f"shard startup: {result.startup_s:.1f} s" + (f" ({result.shard})" if result.shard else ""))
     return lines
