@@ -44,7 +44,8 @@ def _trace(runner: Runner, engine, refusals=(), **facts) -> Trace:
 def join_and_filter(engine, first: tuple, second: tuple, third: tuple, budget: int) -> Trace:
     """Two requests (0 greedy, 1 seeded sampling) decode; request 2 joins mid-decode through
     Prefill(new, cached) and is prefilled in chunks of a small budget (through its image, for a
-    VLM); FilterBatch then drops request 1 before it finishes; the rest run to the end."""
+    VLM); FilterBatch then drops request 1 before it finishes; the rest run to the end.
+    `facts["prefilled"]`: request 2's computed positions after each step until its prompt is done."""
     runner = Runner(engine)
     try:
         runner.prefill([make_request(0, *first, max_new_tokens=8),
@@ -53,11 +54,16 @@ def join_and_filter(engine, first: tuple, second: tuple, third: tuple, budget: i
         runner.step()
         engine.prefill_budget = budget
         runner.prefill([make_request(2, *third, max_new_tokens=6, chunk_len=budget)], batch_id=2)
-        chunked = [s.num_computed for s in runner.batch.seqs if s.request_id == 2]
+        joined = next(s for s in runner.batch.seqs if s.request_id == 2)
+        prefilled = [joined.num_computed]
         runner.step()
+        prefilled.append(joined.num_computed)
         runner.filter([0, 2])
-        runner.run()
-        return _trace(runner, engine, first_chunk=chunked)
+        while runner.batch is not None:
+            runner.step()
+            if prefilled[-1] < joined.prompt_len:
+                prefilled.append(joined.num_computed)
+        return _trace(runner, engine, prefilled=prefilled)
     finally:
         engine.prefill_budget = 4096
         if runner.batch is not None:
@@ -65,8 +71,8 @@ def join_and_filter(engine, first: tuple, second: tuple, third: tuple, budget: i
 
 
 def refuse_then_continue(engine, running: tuple, good: tuple, bad: tuple) -> Trace:
-    """Request 0 decodes; a Prefill bringing good request 1 and bad request 2 is refused; the router
-    resends request 1 alone, which joins; both run to the end."""
+    """Request 0 decodes; a Prefill brings good request 1 and bad request 2; when it is refused, the
+    router resends request 1 alone, which joins; all run to the end."""
     runner = Runner(engine)
     refusals = []
     try:
@@ -77,7 +83,7 @@ def refuse_then_continue(engine, running: tuple, good: tuple, bad: tuple) -> Tra
                            batch_id=2)
         except InvalidBatch as exc:
             refusals.append(str(exc))
-        runner.prefill([make_request(1, *good, max_new_tokens=5)], batch_id=3)
+            runner.prefill([make_request(1, *good, max_new_tokens=5)], batch_id=3)
         runner.run()
         return _trace(runner, engine, refusals)
     finally:
