@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.models.rank_agreement import RankAgreement, RankFailed, Refusal
-from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, plan_layout
+from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, load_kwargs, plan_layout
 from tgi_vlm.testing import tiny_model_path
 
 
@@ -99,3 +99,10 @@ def test_unsharded_agreement_exchanges_nothing():
     refusals = [Refusal(1, InvalidRequest(3, "b")), Refusal(0, InvalidRequest(2, "a"))]
     assert [e.request_id for e in RankAgreement().agree("batch", refusals)] == [2, 3]
     assert RankAgreement().minimum(41) == 41
+
+
+def test_loading_a_shard_without_a_process_group_says_what_to_call_first():
+    hf = config()
+    with pytest.raises(RuntimeError, match=r"world_size=2 but no process group: call tgi_vlm.distributed.initialize"):
+        load_kwargs(hf, plan_layout(hf, 0, 2), "cpu")
+    assert load_kwargs(hf, plan_layout(hf, 0, 1), "cpu") == {}

@@ -83,8 +83,14 @@ def load_kwargs(hf_config, layout: ShardLayout, device: str) -> dict:
     """
     if layout.world_size == 1:
         return {}
+    import importlib.util
+
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise RuntimeError("tensor parallelism needs the accelerate package (transformers' sharded loading "
+                           "requires it): pip install accelerate")
 
     if not dist.is_initialized():
         raise RuntimeError(f"world_size={layout.world_size} but no process group: call "
@@ -95,6 +101,9 @@ def load_kwargs(hf_config, layout: ShardLayout, device: str) -> dict:
     if device.startswith("cuda"):
         # transformers binds its mesh to cuda:LOCAL_RANK (default 0); TGI's launcher sets RANK only.
         os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    elif torch.cuda.is_available():
+        # transformers builds its device mesh on the machine's accelerator, whatever our device says.
+        raise RuntimeError(f"sharding on {device} where CUDA is available is not supported; shard on cuda")
     return {"config": hf_config, "distributed_config": DistributedConfig(tp_size=layout.world_size)}
 
 
