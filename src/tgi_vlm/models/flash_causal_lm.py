@@ -116,27 +116,21 @@ def _each_request(model: FlashCausalLM, what: str, items: list, build, undo=None
     by every rank, and raised together as InvalidBatch after `undo(built)`."""
     built, refusals, failure = [], [], None
     try:
-        for position, item in enumerate(items):
-            try:
-                built.append(build(item))
-            except InvalidRequest as exc:
-                refusals.append(Refusal(position, exc))
-    except Exception as exc:  # not a refusal: the other ranks must hear of it before failing too
-        failure = exc
+        try:
+            for position, item in enumerate(items):
+                try:
+                    built.append(build(item))
+                except InvalidRequest as exc:
+                    refusals.append(Refusal(position, exc))
+        except Exception as exc:  # not a refusal: the other ranks must hear of it before failing too
+            failure = exc
+        errors = model.ranks.agree(what, refusals, failure)  # raises `failure`, or another rank's
+        if errors:
+            raise InvalidBatch(errors)
     except BaseException:
         if undo is not None:
             undo(built)
         raise
-    try:
-        errors = model.ranks.agree(what, refusals, failure)
-    except BaseException:
-        if undo is not None:
-            undo(built)
-        raise
-    if errors:
-        if undo is not None:
-            undo(built)
-        raise InvalidBatch(errors)
     return built
 
 
