@@ -10,6 +10,7 @@ import torch
 
 from tgi_vlm.config import EngineConfig, InputLimits, ServerConfig
 from tgi_vlm.models.flash_causal_lm import FlashCausalLM
+from tgi_vlm.models.rank_agreement import RankAgreement
 
 MiB = 1 << 20
 
@@ -49,6 +50,7 @@ def test_gpu_kv_blocks_follow_tgis_rule_less_the_encoder_cache_budget(monkeypatc
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))  # (free, total) bytes
     config = EngineConfig.from_env({"TGI_VLM_DEVICE": "cuda", "CUDA_MEMORY_FRACTION": "0.9", "TGI_WIGGLE_ROOM": "0.8",
                                     "TGI_VLM_ENCODER_CACHE_MB": str(100 / (1 << 20)), "ATTENTION": "torch"})
-    model = SimpleNamespace(device=torch.device("cuda"), config=config, kv_spec=SimpleNamespace(bytes_per_block=1000))
+    model = SimpleNamespace(device=torch.device("cuda"), config=config, kv_spec=SimpleNamespace(bytes_per_block=1000),
+                            ranks=RankAgreement())
     # (60_000 − 0.1 × 100_000) × 0.8 − 100 = 39_900 bytes → 39 blocks, + 3 reclaimable
     assert FlashCausalLM.default_num_blocks(model, reclaimable_blocks=3) == 42

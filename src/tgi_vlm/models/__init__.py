@@ -11,6 +11,7 @@ from loguru import logger
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.dtypes import DtypeChoice, checkpoint_dtype, cpu_has_native_bf16, resolve_dtype
 from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
+from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, load_kwargs, plan_layout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -26,13 +27,15 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     choice = choose_dtype(config, hf_config)
     config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
     dtype = DTYPES[choice.name]
+    # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
+    layout = plan_layout(hf_config, config.rank, config.world_size)
     if _is_vision_language(hf_config):
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
-        engine = load_vlm(model_id, hf_config, config, attn_name, dtype, revision=revision,
+        engine = load_vlm(model_id, hf_config, config, attn_name, dtype, layout, revision=revision,
                           trust_remote_code=trust_remote_code)
     else:
-        engine = _load_text_model(model_id, config, attn_name, dtype, revision, trust_remote_code)
+        engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code)
     if config.device == "cpu":
         from tgi_vlm.layers.cpu import speed_up_for_cpu
 
@@ -63,7 +66,8 @@ def _is_vision_language(hf_config) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
-def _load_text_model(model_id, config: EngineConfig, attn_name, dtype, revision, trust_remote_code):
+def _load_text_model(model_id, hf_config, config: EngineConfig, attn_name, dtype, layout: ShardLayout, revision,
+                     trust_remote_code):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
@@ -75,9 +79,11 @@ def _load_text_model(model_id, config: EngineConfig, attn_name, dtype, revision,
         attn_implementation=attn_name,
         dtype=dtype,
         use_safetensors=True,  # never unpickle weights
+        **load_kwargs(hf_config, layout, config.device),
     ).to(config.device)
+    keep_own_kv_head(model.get_decoder(), model.config.get_text_config(), layout)
     tokenizer = AutoTokenizer.from_pretrained(
         model_id, revision=revision, trust_remote_code=trust_remote_code, truncation_side="left"
     )
     logger.info("loaded {} ({}) on {} in {}", Path(model_id).name, type(model).__name__, config.device, dtype)
-    return FlashCausalLM(model, tokenizer, config, model_id=model_id)
+    return FlashCausalLM(model, tokenizer, config, model_id=model_id, layout=layout)

@@ -31,8 +31,10 @@ from tgi_vlm.models import intake
 from tgi_vlm.models.intake import TokenizedPrompt
 from tgi_vlm.models.outputs import EmittedToken, OutputBuilder
 from tgi_vlm.models.prefix_cache import BlockRecords
+from tgi_vlm.models.rank_agreement import RankAgreement, Refusal
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.step import SeqWindow, StepInputs, build_step, schedule
+from tgi_vlm.models.tensor_parallel import ShardLayout
 from tgi_vlm.models.types import Generation, ShardModel, StepTimings
 from tgi_vlm.pb import generate_pb2
 
@@ -50,36 +52,26 @@ class FlashCausalLMBatch:
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: FlashCausalLM, *, warmup: bool = False) -> FlashCausalLMBatch:
-        """Validate and tokenize every request before allocating anything; all errors are reported together."""
-        intake.start_grammars(model, pb.requests)  # compile off the model thread while we tokenize
-        errors: list[InvalidRequest] = []
-        prepared = []
-        seen: set[int] = set()
-        for request in pb.requests:
-            try:
-                if request.id in seen and not warmup:  # TGI's router gives every warmup request id 0
-                    raise InvalidRequest(request.id, "duplicate request id in the batch")
-                seen.add(request.id)
-                prepared.append((request, model.tokenize_request(request, warmup=warmup)))
-            except InvalidRequest as exc:
-                errors.append(exc)
-        if not errors and not prepared:
+        """Validate and tokenize every request before allocating anything; all errors are reported together.
+        Sharded, every rank refuses the same requests with the same messages (`rank_agreement.py`)."""
+        if not pb.requests:
             raise InvalidArgument(f"batch {pb.id} has no requests")
-        if errors:
-            raise InvalidBatch(errors)
-        seqs: list[Sequence] = []
-        errors = []
-        for request, prompt in prepared:
-            try:
-                seqs.append(model.make_sequence(request, prompt, liveness=pb.id == LIVENESS_BATCH_ID, warmup=warmup))
-            except InvalidRequest as exc:
-                errors.append(exc)
-            except BaseException:
-                cls(pb.id, seqs, model).release()  # nothing built so far may keep its blocks
-                raise
-        if errors:
-            cls(pb.id, seqs, model).release()
-            raise InvalidBatch(errors)
+        intake.start_grammars(model, pb.requests)  # compile off the model thread while we tokenize
+        seen: set[int] = set()
+
+        def tokenize(request: generate_pb2.Request) -> TokenizedPrompt:
+            if request.id in seen and not warmup:  # TGI's router gives every warmup request id 0
+                raise InvalidRequest(request.id, "duplicate request id in the batch")
+            seen.add(request.id)
+            return model.tokenize_request(request, warmup=warmup)
+
+        prompts = _each_request(model, f"batch {pb.id} (tokenize)", pb.requests, tokenize)
+        liveness = pb.id == LIVENESS_BATCH_ID
+        seqs = _each_request(
+            model, f"batch {pb.id} (sequences)", list(zip(pb.requests, prompts)),
+            lambda item: model.make_sequence(item[0], item[1], liveness=liveness, warmup=warmup),
+            undo=lambda built: cls(pb.id, built, model).release(),  # nothing built so far may keep its blocks
+        )
         return cls(pb.id, seqs, model)
 
     def __len__(self) -> int:
@@ -119,6 +111,29 @@ class FlashCausalLMBatch:
         )
 
 
+def _each_request(model: FlashCausalLM, what: str, items: list, build, undo=None) -> list:
+    """`build(item)` for every request's item; the refusals (InvalidRequest) are collected, agreed on
+    by every rank, and raised together as InvalidBatch after `undo(built)`."""
+    built, refusals, failure = [], [], None
+    try:
+        try:
+            for position, item in enumerate(items):
+                try:
+                    built.append(build(item))
+                except InvalidRequest as exc:
+                    refusals.append(Refusal(position, exc))
+        except Exception as exc:  # not a refusal: the other ranks must hear of it before failing too
+            failure = exc
+        errors = model.ranks.agree(what, refusals, failure)  # raises `failure`, or another rank's
+        if errors:
+            raise InvalidBatch(errors)
+    except BaseException:
+        if undo is not None:
+            undo(built)
+        raise
+    return built
+
+
 class FlashCausalLM(ShardModel):
     """A transformers causal LM run on our paged KV cache with packed ragged batches.
 
@@ -128,7 +143,8 @@ class FlashCausalLM(ShardModel):
 
     batch_type = FlashCausalLMBatch
 
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, *, model_id: str = ""):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, *, model_id: str = "",
+                 layout: ShardLayout | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -146,7 +162,10 @@ class FlashCausalLM(ShardModel):
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids, config.grammar)
         self.grammar_masker = GrammarMasker(self.vocab_size, self.grammars.mask_words, self.eos_token_ids,
                                             config.grammar.threads)
-        self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype)
+        # Tensor parallelism: this rank's share of the attention heads; refusals agreed on by every rank.
+        self.layout = layout or ShardLayout.unsharded(self.text_config)
+        self.ranks = RankAgreement(self.layout.world_size)
+        self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype, self.layout.kv_heads)
         self.attention = make_backend(config.attention, self.attention_pattern())
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
@@ -195,13 +214,15 @@ class FlashCausalLM(ShardModel):
 
     def default_num_blocks(self, reclaimable_blocks: int = 0) -> int:
         """KV blocks that fit. GPU: TGI's rule, (free − (1 − CUDA_MEMORY_FRACTION)·total)·wiggle room,
-        less the cross-request encoder cache's budget, plus blocks of a cache about to be dropped."""
+        less the cross-request encoder cache's budget, plus blocks of a cache about to be dropped.
+        Sharded: the fewest that fit on any rank, so every rank reports the same limits to Warmup
+        and refuses the same requests for lack of blocks."""
         if self.device.type != "cuda":
-            return max(2, int(self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block))
+            return self.ranks.minimum(max(2, int(self.config.cpu_kv_cache_bytes // self.kv_spec.bytes_per_block)))
         free, total = torch.cuda.mem_get_info(self.device)
         usable = max(0.0, free - (1 - self.config.cuda_memory_fraction) * total)
         budget = usable * self.config.wiggle_room - self.config.encoder_cache_bytes
-        return max(2, int(budget // self.kv_spec.bytes_per_block) + reclaimable_blocks)
+        return self.ranks.minimum(max(2, int(budget // self.kv_spec.bytes_per_block) + reclaimable_blocks))
 
     @property
     def kv_blocks_in_use(self) -> int:
@@ -427,12 +448,13 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _kv_spec(text_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+def _kv_spec(text_config, block_size: int, dtype: torch.dtype, kv_heads: int) -> KVCacheSpec:
+    """`kv_heads`: the heads this rank's attention sees (all of them unsharded)."""
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     return KVCacheSpec(
         num_layers=text_config.num_hidden_layers,
-        kv_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        kv_heads=kv_heads,
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype,

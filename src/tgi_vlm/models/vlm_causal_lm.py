@@ -20,6 +20,7 @@ from tgi_vlm.models.image_spans import ImageSpan, spans_overlapping
 from tgi_vlm.models.intake import TokenizedPrompt
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.models.step import StepInputs
+from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, load_kwargs
 from tgi_vlm.models.vlm_intake import ImageCutInWarmup, prompt_parts, tokenize_images
 from tgi_vlm.pb import generate_pb2
 
@@ -34,10 +35,10 @@ class VlmCausalLM(FlashCausalLM):
 
     batch_type = VlmCausalLMBatch
 
-    def __init__(self, model, processor, config: EngineConfig, *, model_id: str = ""):
+    def __init__(self, model, processor, config: EngineConfig, *, model_id: str = "", layout: ShardLayout | None = None):
         self.processor = processor
         self.adapter = adapter_for(model.config.model_type)(model, processor, model.config)
-        super().__init__(model, processor.tokenizer, config, model_id=model_id)
+        super().__init__(model, processor.tokenizer, config, model_id=model_id, layout=layout)
         self.encoder_cache = EncoderCache(shared_bytes=config.encoder_cache_bytes)
 
     def find_language_model(self) -> torch.nn.Module:
@@ -143,8 +144,8 @@ class VlmCausalLM(FlashCausalLM):
                     self.encoder_cache.pop(span.cache_key)
 
 
-def load_vlm(model_id: str, hf_config, config: EngineConfig, attn_name: str, dtype, *, revision=None,
-             trust_remote_code: bool = False) -> VlmCausalLM:
+def load_vlm(model_id: str, hf_config, config: EngineConfig, attn_name: str, dtype, layout: ShardLayout,
+             *, revision=None, trust_remote_code: bool = False) -> VlmCausalLM:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     adapter_for(hf_config.model_type)  # fail early, listing the supported types
@@ -155,7 +156,9 @@ def load_vlm(model_id: str, hf_config, config: EngineConfig, attn_name: str, dty
         attn_implementation={"text_config": attn_name, "vision_config": "sdpa"},
         dtype=dtype,
         use_safetensors=True,
+        **load_kwargs(hf_config, layout, config.device),
     ).to(config.device)
+    keep_own_kv_head(model.get_decoder(), model.config.get_text_config(), layout)
     processor = AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     logger.info("loaded {} ({}) on {} in {}", model_id, type(model).__name__, config.device, dtype)
-    return VlmCausalLM(model, processor, config, model_id=model_id)
+    return VlmCausalLM(model, processor, config, model_id=model_id, layout=layout)

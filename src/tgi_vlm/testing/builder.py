@@ -8,6 +8,7 @@ callers run it with `return_dict=False` or call the language model directly.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -36,7 +37,8 @@ def _recipe(arch: str) -> Recipe:
     return RECIPES[arch]
 
 
-def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
+def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
+                     kv_heads: int | None = None) -> Path:
     """Write a complete random model directory for `arch` to `out_dir` and return its path.
 
     The directory holds config.json, model.safetensors (float32), generation_config.json, the
@@ -55,9 +57,17 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
         (images up to 448 px a side → ≤ 256 image tokens), the other VLMs 96-110M, llama4 171M
         (two MoE experts on every other layer); ~370 MB, 3-7 s. Init std 0.05 (tiny: 0.3) keeps
         greedy output varied at this depth.
+
+    `kv_heads` overrides the size's key/value head count (e.g. 1: fewer KV heads than two
+    tensor-parallel ranks); the rest of the model is built as without it.
     """
     recipe = _recipe(arch)
     sizes = get_sizes(size)
+    if kv_heads is not None:
+        if kv_heads < 1 or sizes.heads % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} must divide the {sizes.heads} attention heads of size {size!r}")
+        sizes = dataclasses.replace(sizes, kv_heads=kv_heads)
+    _refuse_building_on_a_nonzero_rank()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -78,6 +88,16 @@ def build_tiny_model(arch: str, out_dir: str | Path, *, size: str = "tiny", seed
     model.save_pretrained(out_dir, safe_serialization=True)
     (processor or tokenizer).save_pretrained(out_dir)
     return out_dir
+
+
+def _refuse_building_on_a_nonzero_rank() -> None:
+    """Inside a torch.distributed group, transformers' save_pretrained writes weights on rank 0 only:
+    a model built on another rank would lack them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        raise RuntimeError("tiny models cannot be built on a rank other than 0 of a process group; "
+                           "build them (tiny_model_path) before starting the ranks")
 
 
 def _random_model(config, *, is_vlm: bool, seed: int) -> PreTrainedModel:
@@ -107,21 +127,22 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "tgi-vlm" / "tiny"
 
 
-def tiny_model_path(arch: str, *, size: str = "tiny") -> Path:
-    """The cached model directory for (`arch`, `size`, seed 0), built on first use.
+def tiny_model_path(arch: str, *, size: str = "tiny", kv_heads: int | None = None) -> Path:
+    """The cached model directory for (`arch`, `size`, seed 0, `kv_heads`), built on first use.
 
     Safe when several processes ask at once: each builds into its own temporary directory and
     renames it into place; a process that loses the race discards its copy and uses the winner's.
     """
     _recipe(arch)
     get_sizes(size)
-    final = cache_dir() / f"v{BUILDER_VERSION}" / f"{arch}-{size}"
+    name = f"{arch}-{size}" if kv_heads is None else f"{arch}-{size}-kv{kv_heads}"
+    final = cache_dir() / f"v{BUILDER_VERSION}" / name
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{arch}-{size}-", dir=final.parent))
     try:
-        build_tiny_model(arch, staging, size=size)
+        build_tiny_model(arch, staging, size=size, kv_heads=kv_heads)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         os.rename(staging, final)  # atomic; fails if another process already put `final` there
     except OSError:
