@@ -97,7 +97,9 @@ def test_router_regex_accepts_exactly_what_python_re_fullmatch_accepts(compiler,
 @given(data=st.data())
 def test_strings_drawn_from_router_and_doc_regexes_are_judged_like_python_re(compiler, tokenizer, data):
     regex = data.draw(st.sampled_from([router_regex(s) for s in ROUTER_SCHEMAS.values()] + DOC_REGEXES))
-    text = data.draw(st.from_regex(regex, fullmatch=True))
+    # ASCII draws: Python's `re` counts Unicode "other numbers" such as '²' as \w, the Rust regex
+    # semantics llguidance follows (and TGI's router writes for) do not; the oracle holds on ASCII.
+    text = data.draw(st.from_regex(regex, fullmatch=True, alphabet=st.characters(codec="ascii")))
     assert accepts(compiler, tokenizer, REGEX, regex, text), f"{text!r} matches {regex!r} but was refused"
     for miss in near_misses(text):
         expected = re.fullmatch(regex, miss) is not None
