@@ -1,6 +1,6 @@
 """tgi-vlm against vLLM's CPU build, side by side, on exactly the requests `tgi-vlm bench` makes.
 
-    python benchmarks/peers/compare.py                       # everything: ~15 minutes on 2 quiet cores
+    python benchmarks/peers/compare.py                       # everything: 10-15 minutes on 2 quiet cores
     python benchmarks/peers/compare.py -n 16 --dtypes float32 --prefix-caching default --name peers-vllm-cpu.dev
 
 Runs with the project's interpreter, one run at a time (each gets the whole machine, which must otherwise
