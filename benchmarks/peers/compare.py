@@ -1,0 +1,361 @@
+"""tgi-vlm against vLLM's CPU build, side by side, on exactly the requests `tgi-vlm bench` makes.
+
+    python benchmarks/peers/compare.py                       # everything: 10-15 minutes on 2 quiet cores
+    python benchmarks/peers/compare.py -n 16 --dtypes float32 --prefix-caching default --name peers-vllm-cpu.dev
+
+Runs with the project's interpreter, one run at a time (each gets the whole machine, which must otherwise
+be idle):
+1. builds the bench model if needed (`tgi-vlm tiny-model --arch qwen2_vl --size bench`);
+2. writes the workload once (export_workload.py: `tgi-vlm bench`'s requests, images and prompt ids, digest);
+3. tgi-vlm: for each dtype (default = none given, float32, bfloat16) starts a shard as the launcher does
+   (`text-generation-server serve MODEL [--dtype D]`), reads its dtype from the Info RPC, and runs
+   `tgi-vlm bench MODEL --uds-path SOCKET --no-hf` against it (bench's defaults otherwise: 16 in flight,
+   prefill budget 2048, max total tokens 2048, the router's prefix cache on); reads bench's own JSON;
+4. vLLM: for each dtype (auto = vLLM's default, float32, bfloat16) runs vllm_runner.py with vLLM's
+   interpreter on the workload file;
+5. writes one table, markdown and JSON, under benchmarks/results/ (`--name`, default peers-vllm-cpu).
+
+Prefix caching: both systems default to on (tgi-vlm bench's router prefix cache; vLLM's
+enable_prefix_caching). The workload's requests share no prefix (each opens with its own image), so "on"
+costs bookkeeping and gains nothing here; `--prefix-caching both` (the default) runs every row at each
+system's default (on) and with it off on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from export_workload import export_workload  # noqa: E402
+from workload_file import Workload  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+RUN_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Run:
+    system: str  # tgi-vlm | vllm
+    dtype: str  # as requested: default/auto or a dtype name
+    prefix_caching: bool
+    compile: bool = False  # vLLM only: torch.compile instead of enforce_eager
+
+    @property
+    def name(self) -> str:
+        return (f"{self.system}-{self.dtype}-prefix-{'on' if self.prefix_caching else 'off'}"
+                + ("-compiled" if self.compile else ""))
+
+    @property
+    def is_default_dtype(self) -> bool:
+        return self.dtype in ("default", "auto")
+
+
+@dataclass(frozen=True)
+class Context:
+    model: str
+    workload: Workload
+    runs_dir: Path  # each run's own results and log
+    vllm_python: Path
+
+
+def plan(a: argparse.Namespace) -> list[Run]:
+    modes = {"default": [True], "off": [False], "both": [True, False]}[a.prefix_caching]
+    runs = []
+    tgi_dtypes = dict.fromkeys("default" if d == "auto" else d for d in a.dtypes)
+    vllm_dtypes = dict.fromkeys("auto" if d == "default" else d for d in a.dtypes)
+    for prefix in modes:
+        if "tgi-vlm" in a.systems:
+            runs += [Run("tgi-vlm", d, prefix) for d in tgi_dtypes]
+        if "vllm" in a.systems:
+            for compiled in [False] + ([True] if a.vllm_compile else []):
+                runs += [Run("vllm", d, prefix, compiled) for d in vllm_dtypes]
+    return runs
+
+
+# ----- tgi-vlm ---------------------------------------------------------------------------------
+
+def run_tgi_vlm(run: Run, ctx: Context) -> dict:
+    """A shard with the run's dtype, then `tgi-vlm bench` against it; bench's own report, read back."""
+    from tgi_vlm.router import ShardProcess
+
+    spec = ctx.workload.spec
+    shard_args = [] if run.is_default_dtype else ["--dtype", run.dtype]
+    log = ctx.runs_dir / f"{run.name}.log"
+    with ShardProcess(ctx.model, extra_args=shard_args, logger_level="WARNING") as shard:
+        dtype = asyncio.run(shard_dtype(shard.socket))
+        command = [sys.executable, "-m", "tgi_vlm.cli", "bench", ctx.model, "--uds-path", shard.socket, "--no-hf",
+                   "--num-requests", str(spec["num_requests"]), "--concurrency", str(spec["concurrency"]),
+                   "--seed", str(spec["seed"]), "--out-dir", str(ctx.runs_dir), "--name", run.name,
+                   *([] if run.prefix_caching else ["--no-prefix-caching"])]
+        run_logged(command, log)
+    report = json.loads((ctx.runs_dir / f"{run.name}.json").read_text())
+    s = report["serving"]
+    produced = round(s["out_tok_per_s"] * s["wall_s"])
+    checks = {"same_spec_as_workload": report["workload"] == spec,
+              "exact_output_tokens": produced == sum(r.max_new_tokens for r in ctx.workload.requests)
+              and s["failed"] == 0}
+    return {"dtype": dtype, "serving": serving_fields(s), "checks": checks}
+
+
+async def shard_dtype(socket: str) -> str:
+    from tgi_vlm.router import ShardClient
+
+    client = ShardClient(socket)
+    try:
+        return (await client.info()).dtype
+    finally:
+        await client.close()
+
+
+# ----- vLLM ------------------------------------------------------------------------------------
+
+def run_vllm(run: Run, ctx: Context) -> dict:
+    out = ctx.runs_dir / f"{run.name}.json"
+    command = [str(ctx.vllm_python), str(HERE / "vllm_runner.py"), str(ctx.workload.directory), ctx.model,
+               "--dtype", run.dtype, "--json", str(out),
+               *([] if run.prefix_caching else ["--no-prefix-caching"]), *(["--compile"] if run.compile else [])]
+    run_logged(command, ctx.runs_dir / f"{run.name}.log")
+    report = json.loads(out.read_text())
+    s = report["serving"]
+    checks = {"same_workload_digest": report["workload_digest"] == ctx.workload.digest,
+              "exact_output_tokens": not s["wrong_output_lengths"],
+              "prompt_ids_identical": s["prompt_check"]["identical"]}
+    return {"dtype": report["config"]["dtype"], "serving": serving_fields(s), "checks": checks,
+            "prompt_check": s["prompt_check"], "config": report["config"], "versions": report["versions"]}
+
+
+def run_logged(command: list[str], log: Path) -> None:
+    with open(log, "w") as f:
+        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{Path(command[1]).name} {' '.join(command[2:4])}... exited {done.returncode}; "
+                           f"{log} ends with:\n{tail}")
+
+
+def serving_fields(s: dict) -> dict:
+    return {k: s[k] for k in ("out_tok_per_s", "req_per_s", "ttft_s", "itl_s", "wall_s", "failed")}
+
+
+# ----- the comparison --------------------------------------------------------------------------
+
+def execute(run: Run, ctx: Context) -> dict:
+    row = {"run": asdict(run), "name": run.name, "load_avg_1m_start": os.getloadavg()[0]}
+    started = time.perf_counter()
+    try:
+        row |= (run_tgi_vlm if run.system == "tgi-vlm" else run_vllm)(run, ctx)
+        row["error"] = None
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+        row["error"] = str(exc)
+    row["elapsed_s"] = time.perf_counter() - started  # startup included
+    row["load_avg_1m_end"] = os.getloadavg()[0]
+    return row
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """tgi-vlm / vLLM for each prefix mode: at each one's default dtype, and at each dtype both ran.
+    Throughput > 1 and latency < 1 mean tgi-vlm is ahead."""
+    ok = [r for r in rows if r["error"] is None and not r["run"]["compile"]]
+    out = []
+    for prefix in dict.fromkeys(r["run"]["prefix_caching"] for r in ok):
+        tgi = [r for r in ok if r["run"]["system"] == "tgi-vlm" and r["run"]["prefix_caching"] == prefix]
+        peer = [r for r in ok if r["run"]["system"] == "vllm" and r["run"]["prefix_caching"] == prefix]
+        pairs = [("defaults", a, b) for a in tgi for b in peer
+                 if a["run"]["dtype"] == "default" and b["run"]["dtype"] == "auto"]
+        pairs += [(f"both {a['dtype']}", a, b) for a in tgi for b in peer
+                  if a["dtype"] == b["dtype"] and not a["run"]["dtype"] == "default" and b["run"]["dtype"] != "auto"]
+        for label, a, b in pairs:
+            sa, sb = a["serving"], b["serving"]
+            out.append({"compared": label, "prefix_caching": prefix, "tgi_vlm": a["name"], "vllm": b["name"],
+                        "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
+                        "req_per_s": sa["req_per_s"] / sb["req_per_s"],
+                        "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
+                        "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])})
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def machine_facts(vllm_python: Path | None) -> dict:
+    import importlib.metadata as metadata
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    facts = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu,
+             "cores": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+             "torch": torch.__version__, "transformers": metadata.version("transformers"),
+             "tgi_vlm_commit": git_commit(), "load_avg_1m": os.getloadavg()[0]}
+    if vllm_python is not None and vllm_python.exists():
+        probe = ("import importlib.metadata as m, json; "
+                 "print(json.dumps({k: m.version(k) for k in ('vllm-cpu', 'torch', 'transformers')}))")
+        done = subprocess.run([str(vllm_python), "-c", probe], capture_output=True, text=True)
+        if done.returncode == 0:
+            facts["vllm_venv"] = json.loads(done.stdout)
+    return facts
+
+
+def git_commit() -> str | None:
+    done = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return done.stdout.strip() or None
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    w = report["workload"]
+    lines = [f"# tgi-vlm vs vLLM (CPU) on `tgi-vlm bench`'s requests — {m['date']}", "",
+             f"{m['cpu']}, {m['cores']} cores; 1-min load average {m['load_avg_1m']:.1f} at the start, "
+             f"{report['machine_end']['load_avg_1m']:.1f} at the end. tgi-vlm {m['tgi_vlm_commit']} "
+             f"(torch {m['torch']}, transformers {m['transformers']}); "
+             + (f"vLLM CPU {m['vllm_venv']['vllm-cpu']} (torch {m['vllm_venv']['torch']}, transformers "
+                f"{m['vllm_venv']['transformers']})." if "vllm_venv" in m else "vLLM not run."),
+             "",
+             f"Workload {w['digest']}: {w['requests']} requests of model `{w['model']}`, {w['spec']['concurrency']} in "
+             f"flight (closed loop), {w['prompt_tokens']} prompt tokens (images included), {w['output_tokens']} "
+             f"new tokens (greedy, EOS ignored), spec {json.dumps(w['spec'])}.",
+             "Every run: one warm-up request first; TTFT from submission (before tokenizing and image processing) "
+             "to the first token; ITL = gaps between a request's tokens; prefill budget 2048 tokens, max length "
+             "2048, 1 GB KV cache, all cores. vLLM: eager unless marked compiled, chunked prefill.", ""]
+    # Only the load before the first run tells of other work: by the end, it counts these runs' own.
+    if m["load_avg_1m"] > (m["cores"] or 1) / 2:
+        lines += [f"**The machine was not idle** (load average above half its {m['cores']} cores before the "
+                  "first run): these figures are not results.", ""]
+    lines += ["| system | dtype | prefix cache | out tok/s | req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+              "wall s | checks |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in report["rows"]:
+        run = r["run"]
+        system = run["system"] + (" (compiled)" if run["compile"] else "")
+        dtype = (f"{run['dtype']} ({r['dtype']})" if run["dtype"] in ("default", "auto") and r.get("dtype")
+                 else run["dtype"])
+        prefix = "on" if run["prefix_caching"] else "off"
+        if r["error"]:
+            lines.append(f"| {system} | {dtype} | {prefix} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            continue
+        s = r["serving"]
+        checks = ", ".join(k for k, v in r["checks"].items() if not v)
+        lines.append(f"| {system} | {dtype} | {prefix} | {s['out_tok_per_s']:.1f} | {s['req_per_s']:.2f} | "
+                     f"{_ms(s['ttft_s'])} | {_ms(s['itl_s'])} | {s['wall_s']:.1f} | "
+                     f"{'FAILED: ' + checks if checks else 'ok'} |")
+    if report["ratios"]:
+        lines += ["", "tgi-vlm / vLLM (throughput > 1 and latency < 1: tgi-vlm ahead):", "",
+                  "| compared | prefix cache | out tok/s | req/s | TTFT p50 | ITL p50 |", "|---|---|---:|---:|---:|---:|"]
+        for q in report["ratios"]:
+            lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['out_tok_per_s']:.2f} | "
+                         f"{q['req_per_s']:.2f} | {_x(q['ttft_p50'])} | {_x(q['itl_p50'])} |")
+    prompt = next((r["prompt_check"] for r in report["rows"] if r.get("prompt_check")), None)
+    if prompt is not None:
+        lines += ["", "Prompt token ids, vLLM vs tgi-vlm's shard: " + (
+            f"identical in every request ({prompt['vllm_prompt_tokens']} tokens)." if prompt["identical"] else
+            f"{prompt['requests_differing']} requests differ ({prompt['tgi_vlm_prompt_tokens']} tokens in tgi-vlm, "
+            f"{prompt['vllm_prompt_tokens']} in vLLM); first: {json.dumps(prompt['first_difference'])}.")]
+    lines += ["", "checks: tgi-vlm — bench ran the workload's spec, every request produced exactly max_new_tokens; "
+              "vLLM — the runner verified the workload digest, exact max_new_tokens per request, prompt ids equal "
+              "to tgi-vlm's. Each run's own report and log: `runs_dir` of the JSON, under compare.py's --work-dir.", ""]
+    return "\n".join(lines)
+
+
+def _ms(p: dict) -> str:
+    return "/".join("—" if v is None else f"{v * 1000:.0f}" for v in p.values())
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+# ----- entry point -----------------------------------------------------------------------------
+
+def default_work_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "tgi-vlm-peers"
+
+
+def default_vllm_python() -> Path:
+    venv = os.environ.get("VLLM_CPU_VENV") or str(Path(tempfile.gettempdir()) / "vllmcpu")
+    return Path(venv) / "bin" / "python"
+
+
+def ensure_model(model: str | None, work_dir: Path) -> str:
+    if model:
+        return model
+    path = work_dir / "bench-qwen2_vl"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "tgi_vlm.cli", "tiny-model", "--arch", "qwen2_vl", "--size", "bench",
+                        str(path)], check=True)
+    return str(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model directory (default: the bench Qwen2-VL, built under --work-dir)")
+    p.add_argument("--work-dir", type=Path, default=default_work_dir(),
+                   help="model, workload and each run's files (default: %(default)s)")
+    p.add_argument("-n", "--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", nargs="+", choices=("tgi-vlm", "vllm"), default=["tgi-vlm", "vllm"])
+    p.add_argument("--dtypes", nargs="+", choices=("default", "auto", "float32", "bfloat16"),
+                   default=["default", "float32", "bfloat16"],
+                   help="default (= auto): each system's own (tgi-vlm: no --dtype; vLLM: auto)")
+    p.add_argument("--prefix-caching", choices=("default", "off", "both"), default="both",
+                   help="default: each system's default (on for both); off: off on both; both: every row twice")
+    p.add_argument("--vllm-compile", action="store_true", help="also run vLLM with torch.compile (not eager)")
+    p.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
+                   help="vLLM's interpreter (setup_vllm_cpu.sh; default: $VLLM_CPU_VENV/bin/python, else %(default)s)")
+    p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--name", default="peers-vllm-cpu", help="results: OUT_DIR/NAME.md and NAME.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    runs = plan(a)
+    if any(r.system == "vllm" for r in runs) and not a.vllm_python.exists():
+        raise SystemExit(f"{a.vllm_python} does not exist: run benchmarks/peers/setup_vllm_cpu.sh "
+                         "(or pass --vllm-python / set VLLM_CPU_VENV)")
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    machine = machine_facts(a.vllm_python)
+    model = ensure_model(a.model, a.work_dir)
+    workload = export_workload(model, a.work_dir / f"workload-n{a.num_requests}-c{a.concurrency}-s{a.seed}",
+                               num_requests=a.num_requests, concurrency=a.concurrency, seed=a.seed)
+    runs_dir = a.work_dir / "runs" / a.name
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    ctx = Context(model, workload, runs_dir, a.vllm_python)
+    print(f"workload {workload.digest}: {len(workload.requests)} requests; {len(runs)} runs, one at a time",
+          flush=True)
+    rows = []
+    for run in runs:
+        rows.append(row := execute(run, ctx))
+        s = row.get("serving")
+        print(f"{run.name}: " + (f"failed: {row['error']}" if row["error"] else
+                                 f"{row['dtype']} {s['out_tok_per_s']:.1f} out tok/s, {s['req_per_s']:.2f} req/s "
+                                 f"(run {row['elapsed_s']:.0f} s with startup)"), flush=True)
+    report = {"machine": machine, "machine_end": {"load_avg_1m": os.getloadavg()[0]},
+              "workload": {"digest": workload.digest, "model": workload.model, "spec": workload.spec,
+                           "requests": len(workload.requests),
+                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests),
+                           "output_tokens": sum(r.max_new_tokens for r in workload.requests)},
+              "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows, "ratios": ratios(rows)}
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    (a.out_dir / f"{a.name}.json").write_text(json.dumps(report, indent=1))
+    (a.out_dir / f"{a.name}.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {a.out_dir / a.name}.md and .json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""benchmarks/peers (tgi-vlm vs vLLM CPU): the workload file carries exactly `tgi-vlm bench`'s requests, a
+changed file is refused, and the vLLM runner's closed loop and figures follow `tgi-vlm bench`'s definitions
+(driven here by a stand-in engine: vLLM is not installed in the project's environment)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+from transformers import AutoProcessor
+
+from tgi_vlm.router import bench
+from tgi_vlm.router.tokens import TokenCounter
+from tgi_vlm.router.workload import WorkloadSpec, make_workload
+from tgi_vlm.testing import tiny_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))  # as the scripts run
+
+import compare  # noqa: E402
+import vllm_runner  # noqa: E402
+from export_workload import export_workload  # noqa: E402
+from workload_file import PeerRequest, WorkloadError, read_workload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model = str(tiny_model_path("qwen2_vl"))
+    return model, export_workload(model, tmp_path_factory.mktemp("workload"), num_requests=3, seed=4)
+
+
+def test_the_file_holds_bench_requests_laid_out_as_the_adapter_does_with_the_shard_prompt_ids(exported):
+    model, written = exported
+    workload = read_workload(written.directory)
+    assert workload.digest == written.digest and workload.spec == WorkloadSpec(num_requests=3, seed=4).to_dict()
+    counter = TokenCounter(model)
+    items = make_workload(WorkloadSpec(num_requests=3, seed=4), counter.tokenizer)
+    processor = AutoProcessor.from_pretrained(model)
+    for i, (request, item) in enumerate(zip(workload.requests, items)):
+        image, text = item.params.chunks
+        assert request.prompt == "<|vision_start|><|image_pad|><|vision_end|>" + text
+        assert [workload.image_bytes(f) for f in request.images] == [image]
+        assert [f.size for f in request.images] == item.image_sizes
+        assert request.max_new_tokens == item.params.max_new_tokens
+        assert request.prompt_token_ids == counter.input_ids(item.params.to_pb(i))
+        # what a peer gets from the HF processor on the same prompt and image: the shard's ids
+        pil = Image.open(io.BytesIO(image))
+        assert processor(text=[request.prompt], images=[pil])["input_ids"][0] == request.prompt_token_ids
+
+
+def test_the_warm_up_request_is_the_one_tgi_vlm_bench_sends(exported):
+    _, workload = exported
+    sent = []
+
+    class Router:
+        steps, calls = [], {}
+        prefix_stats = SimpleNamespace(reset_counters=lambda: None)
+
+        async def submit(self, params):
+            sent.append(params)
+            return SimpleNamespace(final=lambda: asyncio.sleep(0))
+
+    sizes = [f.size for f in workload.requests[0].images]
+    asyncio.run(bench.warm_up(Router(), sizes))
+    (params,) = sent
+    warm = workload.warmup
+    assert params.chunks == [*(workload.image_bytes(f) for f in warm.images), "warm up"]
+    assert warm.prompt == "<|vision_start|><|image_pad|><|vision_end|>warm up"
+    assert params.max_new_tokens == warm.max_new_tokens == 2
+
+
+def test_a_changed_image_or_request_is_refused_naming_what_changed(exported, tmp_path):
+    _, workload = exported
+    copy = tmp_path / "w"
+    (copy / "images").mkdir(parents=True)
+    for f in workload.directory.rglob("*.*"):
+        (copy / f.relative_to(workload.directory)).write_bytes(f.read_bytes())
+    image = copy / workload.requests[1].images[0].file
+    image.write_bytes(image.read_bytes() + b"\0")
+    with pytest.raises(WorkloadError, match=r"request 1: images/r0001-0\.png does not match its sha256"):
+        read_workload(copy)
+    image.write_bytes(workload.image_bytes(workload.requests[1].images[0]))
+    manifest = json.loads((copy / "workload.json").read_text())
+    manifest["requests"][2]["max_new_tokens"] += 1
+    (copy / "workload.json").write_text(json.dumps(manifest))
+    with pytest.raises(WorkloadError, match=f"hash to [0-9a-f]{{16}}, the manifest says {workload.digest}"):
+        read_workload(copy)
+
+
+class StandInEngine:
+    """LLMEngine's add_request/step: every step gives each request in flight one token (the id is the
+    request's index) and takes `durations[k]` seconds on the shared clock; a request ends at its max."""
+
+    def __init__(self, clock: list[float], durations: list[float]):
+        self.clock, self.durations = clock, list(durations)
+        self.active: dict[str, dict] = {}
+        self.most_in_flight = 0
+
+    def add_request(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.active[request_id] = {"prompt": prompt, "left": max_tokens}
+        self.most_in_flight = max(self.most_in_flight, len(self.active))
+
+    def step(self):
+        self.clock[0] += self.durations.pop(0)
+        outputs = []
+        for rid, state in list(self.active.items()):
+            state["left"] -= 1
+            finished = state["left"] == 0
+            outputs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[int(rid)])],
+                                           finished=finished, prompt_token_ids=state["prompt"] if finished else None))
+            if finished:
+                del self.active[rid]
+        return outputs
+
+
+def test_the_closed_loop_keeps_concurrency_in_flight_and_measures_as_bench_does():
+    clock = [0.0]
+    engine = StandInEngine(clock, durations=[1.0, 2.0, 3.0, 4.0])
+    engine_side = [([5, 6], 2), ([7, 0], 1), ([9], 3)]  # (prompt ids vLLM reports, tokens it will produce)
+    timings, wall = vllm_runner.run_closed_loop(engine, 3, 2, lambda i: engine_side[i], clock=lambda: clock[0])
+    assert engine.most_in_flight == 2 and wall == 10.0
+    # request 2 enters when request 1 ends (t=1): submitted 1, tokens at 3, 6, 10
+    assert [(t.submitted, t.token_times, t.tokens) for t in timings] == [
+        (0.0, [1.0, 3.0], [0, 0]), (0.0, [1.0], [1]), (1.0, [3.0, 6.0, 10.0], [2, 2, 2])]
+    assert [t.ttft_s for t in timings] == [1.0, 1.0, 2.0] and [t.itl_s for t in timings] == [[2.0], [], [3.0, 4.0]]
+
+    ours = [PeerRequest("", [], 2, [5, 6]), PeerRequest("", [], 1, [7, 8]), PeerRequest("", [], 4, [9])]
+    s = vllm_runner.serving_summary(timings, wall, ours)
+    assert s["wrong_output_lengths"] == [2] and s["failed"] == 1  # request 2 wanted 4 tokens, made 3
+    assert (s["out_tok_per_s"], s["req_per_s"], s["output_tokens"]) == (0.6, 0.2, 6)
+    assert s["ttft_s"] == bench.percentiles([1.0, 1.0, 2.0]) and s["itl_s"] == bench.percentiles([2.0, 3.0, 4.0])
+    check = s["prompt_check"]
+    assert (check["identical"], check["requests_differing"], check["tgi_vlm_prompt_tokens"],
+            check["vllm_prompt_tokens"]) == (False, 1, 5, 5)
+    assert check["first_difference"] == {"request": 1, "position": 1, "tgi_vlm_len": 2, "vllm_len": 2,
+                                         "tgi_vlm_ids": [7, 8], "vllm_ids": [7, 0]}
+
+
+def test_compare_plans_each_dtype_per_system_and_pairs_defaults_and_equal_dtypes():
+    args = compare.parse_args(["--dtypes", "default", "float32", "--prefix-caching", "both"])
+    assert [r.name for r in compare.plan(args)] == [
+        "tgi-vlm-default-prefix-on", "tgi-vlm-float32-prefix-on", "vllm-auto-prefix-on", "vllm-float32-prefix-on",
+        "tgi-vlm-default-prefix-off", "tgi-vlm-float32-prefix-off", "vllm-auto-prefix-off", "vllm-float32-prefix-off"]
+
+    def row(system: str, asked: str, dtype: str, tok_s: float, ttft: float) -> dict:
+        serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": ttft}, "itl_s": {"p50": 0.1}}
+        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": False},
+                "name": f"{system}-{asked}", "dtype": dtype, "error": None, "serving": serving}
+
+    rows = [row("tgi-vlm", "default", "float32", 100.0, 2.0), row("tgi-vlm", "bfloat16", "bfloat16", 150.0, 1.0),
+            row("vllm", "auto", "bfloat16", 300.0, 1.0), row("vllm", "bfloat16", "bfloat16", 200.0, 0.5)]
+    got = [(q["compared"], q["tgi_vlm"], q["vllm"], q["out_tok_per_s"], q["ttft_p50"]) for q in compare.ratios(rows)]
+    assert got == [("defaults", "tgi-vlm-default", "vllm-auto", 100 / 300, 2.0),
+                   ("both bfloat16", "tgi-vlm-bfloat16", "vllm-bfloat16", 150 / 200, 2.0)]
