@@ -24,7 +24,7 @@ FRAMES = {
     "    SDPA": "_attend",
     "  RMSNorm": "RMSNorm.forward",
     "sampling + outputs": "FlashCausalLM.sample",
-    "linear layers (text and vision)": "Linear.forward",
+    "linear layers (text and vision)": "inear_forward",  # Linear.forward, or layers/cpu.py's forwards
     "patch-embedding convolution": "Conv3d.forward",
 }
 

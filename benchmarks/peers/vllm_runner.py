@@ -56,6 +56,11 @@ class RequestTiming:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
+# Engine steps of the last closed loop and how many sequences got a token in them (tgi-vlm bench reports
+# its steps and mean decode batch; these are the nearest vLLM figures).
+STEP_STATS = {"steps": 0, "sequences_with_a_token": 0}
+
+
 def run_closed_loop(engine, count: int, concurrency: int, engine_request: Callable[[int], tuple],
                     clock: Callable[[], float] = time.perf_counter) -> tuple[list[RequestTiming], float]:
     """Requests 0..count-1 through `engine` (vLLM's LLMEngine interface: add_request(id, prompt, params),
@@ -79,6 +84,8 @@ def run_closed_loop(engine, count: int, concurrency: int, engine_request: Callab
     fill()
     while in_flight:
         outputs = engine.step()
+        STEP_STATS["steps"] += 1
+        STEP_STATS["sequences_with_a_token"] += sum(1 for out in outputs if out.outputs and out.outputs[0].token_ids)
         now = clock()
         for out in outputs:
             i = in_flight[out.request_id]
@@ -115,6 +122,8 @@ def serving_summary(timings: list[RequestTiming], wall_s: float, requests: list[
         "output_tokens": sum(len(t.tokens) for t in timings),
         "wrong_output_lengths": wrong_lengths,  # requests that did not produce exactly max_new_tokens
         "prompt_check": prompt_check(timings, requests, differing),
+        "engine_steps": STEP_STATS["steps"],
+        "mean_sequences_per_step": STEP_STATS["sequences_with_a_token"] / max(STEP_STATS["steps"], 1),
     }
 
 
@@ -195,6 +204,7 @@ def run(a: argparse.Namespace) -> dict:
     t_loaded = time.perf_counter()
     warm, _ = run_closed_loop(engine, 1, 1, request_maker(engine, workload, [workload.warmup]))
     t_warm = time.perf_counter()
+    STEP_STATS.update(steps=0, sequences_with_a_token=0)  # the warm-up's steps do not count
     timings, wall = run_closed_loop(engine, len(workload.requests), concurrency,
                                     request_maker(engine, workload, workload.requests))
     serving = serving_summary(timings, wall, workload.requests)

@@ -13,6 +13,10 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   `bucket_linear_rows` pads the rows of every linear layer to a few fixed sizes, so the kernels
   are built once and reused; padded rows are dropped from the output (row results do not depend
   on the other rows). Float32 goes to MKL's sgemm, which builds nothing per shape: left alone.
+  Tried and dropped: oneDNN-prepacked weights (`torch.ops.mkldnn._linear_pointwise`): ~8% off an
+  isolated bf16 decode step, but slower prefill and a second copy of every weight; in the serving
+  benchmark it lost (188 vs 257 out tok/s). Fused q/k/v or gate/up projections: decode linears
+  are bound by reading the weights (~13 GB/s of ~17 measured), and fusing reads the same bytes.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
   the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
   patch, i.e. a matrix product. As a convolution it is ~30x slower on CPU than the same product
@@ -23,7 +27,6 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
 from __future__ import annotations
 
 import ctypes
-import collections
 import ctypes.util
 import os
 import types
@@ -95,32 +98,6 @@ def bucket_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
-def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    padded = row_bucket(rows)
-    flat = x.reshape(rows, x.shape[-1])
-    if padded != rows:
-        flat = F.pad(flat, (0, 0, 0, padded - rows))
-    out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-    return out[:rows].view(*x.shape[:-1], self.out_features)
-
-
-def pack_linear_weights(model: torch.nn.Module) -> int:
-    """bf16 linears whose weight no other module shares: multiply with a oneDNN-prepacked copy
-    (no per-call weight reorder; the plain weight is freed). Returns the count."""
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not torch.backends.mkldnn.is_available():
-        return 0
-    owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
-    count = 0
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype != torch.bfloat16 or owners[id(module.weight)] > 1:
-            continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-        module.forward = types.MethodType(_packed_linear_forward, module)
-        count += 1
-    return count
-
-
 def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if tuple(x.shape[2:]) != tuple(self.kernel_size):
         return self._conv_forward(x, self.weight, self.bias)
@@ -154,7 +131,5 @@ def speed_up_for_cpu(model: torch.nn.Module, *, sharded: bool = False) -> None:
     tune_allocator()
     convs = convs_as_linear(model)
     linears = 0 if sharded else bucket_linear_rows(model)
-    if not sharded and os.environ.get("TGI_VLM_PACK_LINEARS") == "1":  # experiment: measured in cpu_kernels.py
-        logger.info("CPU: {} linear layer(s) use prepacked weights", pack_linear_weights(model))
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
                 "rows to reuse oneDNN kernels", convs, linears)
