@@ -61,6 +61,9 @@ class RouterConfig:
     max_waiting_tokens: int = 20
     # The driver's own: reuse cached prompt blocks (keyed on token ids + images; the shard verifies).
     prefix_caching: bool = True
+    # Ranks of the shard a session starts (`serve --sharded`, one process each); the Router itself
+    # sees one client whatever the number (ServiceDiscovery decides when connecting to a running shard).
+    num_shard: int = 1
 
 
 @dataclass(frozen=True)
