@@ -429,6 +429,7 @@ def bench(
                                         progress=lambda n: progress.advance(ref_task, n))
     report = b.summarize(spec, items, serving, reference, model_id)
     report["transport"] = f"HTTP {url}" if url else "router driver"
+    report["num_shard"] = None if url else num_shard
     Console(width=140).print(b.result_table(report))
     for line in b.summary_lines(report):
         typer.echo(line)

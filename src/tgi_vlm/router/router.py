@@ -150,7 +150,8 @@ def is_cache_claim_refusal(entry: Entry, reason: str) -> bool:
 
 
 class Router:
-    """Plays TGI's v3 router against one shard. `run()` is the loop; `submit()` feeds it."""
+    """Plays TGI's v3 router against one shard (a ShardClient, or a ShardedClient over its ranks).
+    `run()` is the loop; `submit()` feeds it."""
 
     def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], PromptTokens | int],
                  config: RouterConfig | None = None):
