@@ -13,12 +13,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from loguru import logger
 from typer.testing import CliRunner
 
 from tests.e2e.driving import tokens_of
@@ -283,7 +285,14 @@ def test_the_liveness_prefill_reaches_both_ranks_and_one_answers(shards):
     assert not merged.HasField("batch")  # one token: finished in its Prefill
 
 
-def test_generate_num_shard_2_runs_end_to_end(monkeypatch):
+@pytest.fixture
+def restore_logging():
+    yield
+    logger.remove()  # the command points loguru at the runner's (now closed) streams
+    logger.add(sys.stderr)
+
+
+def test_generate_num_shard_2_runs_end_to_end(monkeypatch, restore_logging):
     monkeypatch.setenv("TGI_VLM_DEVICE", "cpu")
     monkeypatch.setenv("TGI_VLM_CPU_KV_CACHE_GB", "0.05")  # the ranks inherit the environment
     monkeypatch.setenv("PYTHONPATH", SHARD_ENV["PYTHONPATH"])

@@ -39,7 +39,10 @@ class GenerateResult:
 
 
 async def generate(model_id: str, params: RequestParams, *, uds_path: str | None = None,
-                   config: RouterConfig | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> GenerateResult:
+                   config: RouterConfig | None = None, out: TextIO | None = None,
+                   err: TextIO | None = None) -> GenerateResult:
+    # The streams of this call, not of whenever the module was imported (a test runner swaps them).
+    out, err = out or sys.stdout, err or sys.stderr
     start = time.perf_counter()
     print(f"starting {'or connecting to ' if uds_path else ''}the shard for {model_id} ...", file=err, flush=True)
     async with router_session(model_id, uds_path=uds_path, config=config) as session:

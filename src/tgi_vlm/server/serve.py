@@ -19,7 +19,6 @@ import asyncio
 import os
 import signal
 import stat
-import time
 from collections.abc import Callable
 
 import grpc
@@ -103,11 +102,10 @@ async def _serve_until_stopped(config: ServerConfig, model: ShardModel, group: S
             logger.warning("{}; a sharded model needs every rank, so rank {} stops too", gone, group.rank)
         await server.stop(config.shutdown_grace_s)
     finally:
-        started = time.monotonic()
         finished = await asyncio.to_thread(service.close, config.shutdown_grace_s if group.sharded else None)
         _remove_socket(config.socket_path())
         if not finished:
-            raise ModelThreadBusy(f"rank {group.rank}: the model thread is still busy {time.monotonic() - started:.0f} s "
+            raise ModelThreadBusy(f"rank {group.rank}: the model thread is still busy {config.shutdown_grace_s:g} s "
                                   "after the server stopped (blocked in a collective with a rank that left?)")
         logger.info("Server stopped")
     if gone is not None and not gone.in_order:
