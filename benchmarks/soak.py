@@ -219,7 +219,7 @@ async def soak(shard: ShardProcess, counter: TokenCounter, config: SoakConfig, l
     await router.start()
     loop = asyncio.create_task(router.run())
     try:
-        result = await run_soak(router, shard.process.pid, config, log)
+        result = await run_soak(router, shard.processes[0].pid, config, log)
     finally:
         router.stop()
         await loop

@@ -7,6 +7,8 @@ checks, so a refused flag fails fast and `--help` stays quick.
 
 # No `from __future__ import annotations`: typer reads the annotations at runtime.
 import dataclasses
+import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
@@ -45,6 +47,10 @@ def dtype_args(dtype: Optional[Dtype]) -> list[str]:
     return ["--dtype", dtype.value] if dtype else []
 
 
+# `tgi-vlm generate/bench/launch --num-shard N`: N ranks of `serve --sharded`, started as TGI's launcher does.
+NumShard = Annotated[int, typer.Option(min=1, help="Shard processes (ranks of `serve --sharded`), as TGI's launcher")]
+
+
 class TinySize(str, Enum):
     tiny = "tiny"
     bench = "bench"
@@ -73,9 +79,6 @@ def unsupported_features(config: ServerConfig, quantize: Optional[str], speculat
         problems.append(f"--kv-cache-dtype {kv_cache_dtype} is not supported; the KV cache uses the model dtype")
     if config.lora_adapters:
         problems.append(f"LoRA adapters ({config.lora_adapters}) are not supported; merge them into the weights")
-    if config.sharded or config.world_size > 1:
-        problems.append(f"tensor parallelism is not supported yet (--sharded, WORLD_SIZE={config.world_size}); "
-                        "run one shard per GPU (--num-shard 1)")
     return problems
 
 
@@ -114,17 +117,26 @@ def serve(
     try:
         # Only now: reading the device imports torch.
         engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
-                                       trust_remote_code=trust_remote_code, speculate=speculate or 0)
+                                       trust_remote_code=trust_remote_code, speculate=speculate or 0,
+                                       rank=config.rank, world_size=config.world_size)
     except ValueError as exc:
         _fail(str(exc))
     run_server(dataclasses.replace(config, engine=engine))
 
 
 def run_server(config: ServerConfig) -> None:
+    from tgi_vlm.server.serve import ModelThreadBusy, PeerLost
     from tgi_vlm.server.serve import serve as serve_forever
 
     try:
         serve_forever(config, load_model)
+    except PeerLost as exc:
+        _fail(str(exc))
+    except ModelThreadBusy as exc:  # its thread cannot be stopped, and would keep the interpreter from exiting
+        logger.error("{}; exiting without waiting for it", exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except Exception as exc:
         logger.opt(exception=exc).error("shard failed: {}: {}", type(exc).__name__, exc)
         raise typer.Exit(code=1) from None
@@ -214,6 +226,7 @@ def _setup_logging(level: str, json_output: bool) -> None:
 @app.command()
 def generate(
     model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    num_shard: NumShard = 1,
     image: Annotated[Optional[list[Path]], typer.Option(help="Image file (repeatable); images come before the prompt")] = None,
     prompt: Annotated[Optional[str], typer.Option(help="Prompt text")] = None,
     max_new_tokens: int = 32,
@@ -249,7 +262,7 @@ def generate(
     params = RequestParams(chunks=[*images, prompt or ""], max_new_tokens=max_new_tokens, temperature=temperature,
                            top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
     try:
-        config = RouterConfig(prefix_caching=prefix_caching)
+        config = RouterConfig(prefix_caching=prefix_caching, num_shard=num_shard)
         result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config,
                                           shard_args=dtype_args(dtype)))
     except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: no such model (transformers' loaders)
@@ -263,6 +276,7 @@ def generate(
 @app.command()
 def launch(
     model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    num_shard: NumShard = 1,
     port: Annotated[int, typer.Option("--port", "-p", help="HTTP port (0: any free port)")] = 3000,
     hostname: Annotated[str, typer.Option(help="Address to listen on (TGI's default is 0.0.0.0)")] = "127.0.0.1",
     max_concurrent_requests: int = 128,
@@ -316,7 +330,8 @@ def launch(
     router = RouterConfig(max_input_tokens=input_tokens, max_total_tokens=max_total_tokens,
                           max_batch_prefill_tokens=max_batch_prefill_tokens or input_tokens + 50,
                           max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
-                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens)
+                          waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
+                          num_shard=num_shard)
     shard_args = ["--max-input-tokens", str(input_tokens), *dtype_args(dtype)]
     config = LaunchConfig(api, router, shard_args=shard_args, shard_uds_path=shard_uds_path,
                           graceful_termination_timeout_s=graceful_termination_timeout,
@@ -332,6 +347,7 @@ def launch(
 @app.command()
 def bench(
     model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
+    num_shard: NumShard = 1,
     num_requests: int = 64,
     images_per_request: int = 1,
     image_min: Annotated[int, typer.Option(help="Smallest image side, pixels")] = 64,
@@ -385,7 +401,8 @@ def bench(
         _fail("--url: TGI's HTTP API has no ignore_eos; add --no-ignore-eos (and use it for the direct run you "
               "compare with, so both send the same requests)")
     config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
-                          max_batch_prefill_tokens=max_batch_prefill_tokens, prefix_caching=prefix_caching)
+                          max_batch_prefill_tokens=max_batch_prefill_tokens, prefix_caching=prefix_caching,
+                          num_shard=num_shard)
 
     def workload_spec(system: int) -> WorkloadSpec:
         return WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max,
@@ -426,6 +443,7 @@ def bench(
                                         dtype=b.reference_dtype(model_id, serving.dtype, dtype and dtype.value))
     report = b.summarize(spec, items, serving, reference, model_id)
     report["transport"] = f"HTTP {url}" if url else "router driver"
+    report["num_shard"] = None if url else num_shard
     Console(width=140).print(b.result_table(report))
     for line in b.summary_lines(report):
         typer.echo(line)

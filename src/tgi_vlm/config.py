@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 KNOWN_ATTENTION = ("torch", "paged", "flashinfer", "flashdecoding")
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what TGI's launcher gives every shard
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -182,6 +183,8 @@ class ServerConfig:
     max_message_bytes: int = 2**31 - 1  # images can be megabytes; TGI uses i32::MAX
     lora_adapters: str | None = None  # --lora-adapters or LORA_ADAPTERS; refused (not supported)
     shutdown_grace_s: float = 10.0  # on SIGTERM: how long the in-flight RPC may still run
+    # Sharded: how long joining the process group, or one collective, may wait for the other ranks (TGI: 120 s).
+    dist_timeout_s: float = 120.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @classmethod
@@ -189,7 +192,11 @@ class ServerConfig:
                  **flags) -> ServerConfig:
         env = os.environ if env is None else env
         flags["lora_adapters"] = flags.get("lora_adapters") or env.get("LORA_ADAPTERS") or None
-        return cls(
+        missing = [name for name in DISTRIBUTED_ENV if not env.get(name)]
+        if flags.get("sharded") and missing:  # as TGI's `serve`, which asserts each of them
+            raise ValueError(f"--sharded needs {', '.join(missing)} in the environment (TGI's launcher sets "
+                             f"{', '.join(DISTRIBUTED_ENV)} for every shard it starts)")
+        config = cls(
             model_id=model_id,
             rank=_int(env, "RANK", 0),
             world_size=_int(env, "WORLD_SIZE", 1),
@@ -197,9 +204,20 @@ class ServerConfig:
             master_port=_int(env, "MASTER_PORT", 29500),
             max_message_bytes=_int(env, "TGI_VLM_MAX_MESSAGE_BYTES", 2**31 - 1),
             shutdown_grace_s=_float(env, "TGI_VLM_SHUTDOWN_GRACE_S", 10.0),
+            dist_timeout_s=_float(env, "TGI_VLM_DIST_TIMEOUT_S", 120.0),
             engine=engine or EngineConfig.from_env(env),
             **flags,
         )
+        config.check_sharding()
+        return config
+
+    def check_sharding(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}: 0 <= RANK < WORLD_SIZE")
+        if self.world_size > 1 and not self.sharded:
+            # TGI would bind every rank to {uds}-0; the launcher always passes --sharded with WORLD_SIZE > 1.
+            raise ValueError(f"WORLD_SIZE={self.world_size} without --sharded: pass --sharded (TGI's launcher does "
+                             "when --num-shard > 1) or set WORLD_SIZE=1")
 
     def socket_path(self, rank: int | None = None) -> str:
         return f"{self.uds_path}-{self.rank if rank is None else rank}"

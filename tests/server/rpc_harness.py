@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from tgi_vlm.config import ServerConfig
+from tgi_vlm.distributed import ShardGroup
 from tgi_vlm.pb import generate_pb2, generate_pb2_grpc
 from tgi_vlm.server.serve import start_server
 from tgi_vlm.server.service import TextGenerationService
@@ -25,10 +26,12 @@ class Shard:
 
 
 @asynccontextmanager
-async def running_shard(model, world_size: int = 1) -> AsyncIterator[Shard]:
+async def running_shard(model, world_size: int = 1, rank: int = 0) -> AsyncIterator[Shard]:
+    """One rank's server (rank `rank` of `world_size`; no process group: the fake model needs none)."""
     directory = tempfile.mkdtemp(dir="/tmp", prefix="tv-")  # unix socket paths must stay short
-    config = ServerConfig(model_id="fake", uds_path=f"{directory}/s", world_size=world_size)
-    server, service = await start_server(config, model)
+    config = ServerConfig(model_id="fake", uds_path=f"{directory}/s", world_size=world_size, rank=rank,
+                          sharded=world_size > 1)
+    server, service = await start_server(config, model, ShardGroup(rank, world_size))
     channel = grpc.aio.insecure_channel(config.socket_url())
     try:
         yield Shard(generate_pb2_grpc.TextGenerationServiceStub(channel), service, config)

@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 from tgi_vlm import cli
 
 runner = CliRunner()
-CLEAN_ENV = {"WORLD_SIZE": None, "RANK": None, "LORA_ADAPTERS": None, "TGI_VLM_DEVICE": "cpu", "ATTENTION": None}
+CLEAN_ENV = {"WORLD_SIZE": None, "RANK": None, "MASTER_ADDR": None, "MASTER_PORT": None, "LORA_ADAPTERS": None,
+             "TGI_VLM_DEVICE": "cpu", "ATTENTION": None}
+RANK_1_OF_2 = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29511"}
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +86,6 @@ def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags,
         (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
         (["--lora-adapters", "a/b"], {}, "LoRA adapters (a/b) are not supported"),
         ([], {"LORA_ADAPTERS": "c/d"}, "LoRA adapters (c/d) are not supported"),
-        (["--sharded"], {}, "tensor parallelism is not supported"),
-        ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
     ],
 )
 def test_serve_refuses_unsupported_features_with_exit_code_1(served, args, env, message):
@@ -93,6 +93,43 @@ def test_serve_refuses_unsupported_features_with_exit_code_1(served, args, env, 
     assert result.exit_code == 1
     assert message in result.output
     assert served == []
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        # TGI's serve asserts each of the launcher's four variables under --sharded.
+        (["--sharded"], {}, "--sharded needs RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment"),
+        (["--sharded"], {**RANK_1_OF_2, "MASTER_PORT": None}, "--sharded needs MASTER_PORT in the environment"),
+        # TGI would bind every rank to {uds}-0.
+        ([], RANK_1_OF_2, "WORLD_SIZE=2 without --sharded: pass --sharded"),
+        (["--sharded"], {**RANK_1_OF_2, "RANK": "2"}, "RANK=2 is outside WORLD_SIZE=2"),
+    ],
+)
+def test_serve_refuses_inconsistent_sharding_with_exit_code_1(served, args, env, message):
+    result = invoke("serve", "/models/m", *args, env=env)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert served == []
+
+
+def test_serve_sharded_takes_rank_and_world_from_the_launchers_environment(served):
+    result = invoke("serve", "/models/m", "--uds-path", "/tmp/tgs", "--sharded", env=RANK_1_OF_2)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.sharded, config.rank, config.world_size, config.master_addr, config.master_port) == (
+        True, 1, 2, "localhost", 29511)
+    assert (config.engine.rank, config.engine.world_size) == (1, 2)
+    assert config.socket_url() == "unix:///tmp/tgs-1"
+
+
+def test_serve_sharded_with_a_world_of_one_is_a_single_shard_as_in_tgi(served):
+    result = invoke("serve", "/models/m", "--uds-path", "/tmp/tgs", "--sharded",
+                    env={**RANK_1_OF_2, "RANK": "0", "WORLD_SIZE": "1"})
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert (config.rank, config.world_size, config.engine.world_size, config.socket_url()) == (
+        0, 1, 1, "unix:///tmp/tgs-0")
 
 
 @pytest.mark.parametrize(("flags", "depth"), [([], 0), (["--speculate", "0"], 0), (["--speculate", "3"], 3)])

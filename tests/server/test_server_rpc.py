@@ -32,6 +32,22 @@ def test_service_discovery_lists_the_socket_of_every_rank():
     run(scenario)
 
 
+def test_a_rank_answers_generations_only_for_the_requests_it_owns_and_keeps_the_whole_batch():
+    async def scenario():
+        async with running_shard(FakeModel(), world_size=3, rank=1) as shard:
+            assert shard.config.socket_url().endswith("/s-1")
+            prefill = await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(7, [1, 2, 3, 4, 7], max_new_tokens=2)))
+            assert [(g.request_id, list(g.tokens.ids)) for g in prefill.generations] == [(1, [100]), (4, [400]),
+                                                                                        (7, [700])]
+            assert list(prefill.batch.request_ids) == [1, 2, 3, 4, 7]
+            decode = await shard.stub.Decode(pb.DecodeRequest(batches=[prefill.batch]))
+            assert [g.request_id for g in decode.generations] == [1, 4, 7]
+            assert [g.generated_text.generated_tokens for g in decode.generations] == [2, 2, 2]
+            assert not decode.HasField("batch")  # every request finished, owned or not
+
+    run(scenario)
+
+
 def test_health_answers():
     async def scenario():
         async with running_shard(FakeModel()) as shard:

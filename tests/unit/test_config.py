@@ -20,7 +20,7 @@ def test_defaults_are_the_readmes():
     engine = config.engine
     assert engine.limits == InputLimits(max_images_per_request=16, max_image_bytes=20 * MiB,
                                         max_image_pixels=64 * MiB)
-    assert (config.max_message_bytes, config.shutdown_grace_s) == (2**31 - 1, 10.0)
+    assert (config.max_message_bytes, config.shutdown_grace_s, config.dist_timeout_s) == (2**31 - 1, 10.0, 120.0)
     assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 30, 256 * MiB)
     assert engine.prefix_caching is False
 
@@ -29,12 +29,12 @@ def test_every_variable_is_read():
     env = {
         "TGI_VLM_DEVICE": "cpu", "TGI_VLM_MAX_IMAGES_PER_REQUEST": "3", "TGI_VLM_MAX_IMAGE_BYTES": "1000",
         "TGI_VLM_MAX_IMAGE_PIXELS": "4096", "TGI_VLM_MAX_MESSAGE_BYTES": "5000", "TGI_VLM_SHUTDOWN_GRACE_S": "2.5",
-        "TGI_VLM_CPU_KV_CACHE_GB": "0.5", "TGI_VLM_ENCODER_CACHE_MB": "0", "PREFIX_CACHING": "1",
+        "TGI_VLM_DIST_TIMEOUT_S": "30", "TGI_VLM_CPU_KV_CACHE_GB": "0.5", "TGI_VLM_ENCODER_CACHE_MB": "0", "PREFIX_CACHING": "1",
     }  # fmt: skip
     config = ServerConfig.from_env("m", env)
     engine = config.engine
     assert engine.limits == InputLimits(max_images_per_request=3, max_image_bytes=1000, max_image_pixels=4096)
-    assert (config.max_message_bytes, config.shutdown_grace_s) == (5000, 2.5)
+    assert (config.max_message_bytes, config.shutdown_grace_s, config.dist_timeout_s) == (5000, 2.5, 30.0)
     assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 29, 0)
     assert engine.prefix_caching is True
 

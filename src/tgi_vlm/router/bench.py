@@ -105,26 +105,30 @@ async def run_serving(model_id: str, items: list[WorkItem], spec: WorkloadSpec, 
 
 
 class CpuClock:
-    """CPU seconds (user + system) used since creation by the shard process we started and by this
-    process (router, token counter): on a shared machine, steadier than wall time."""
+    """CPU seconds (user + system) used since creation by the shard processes we started (every rank)
+    and by this process (router, token counter): on a shared machine, steadier than wall time."""
 
     def __init__(self, shard) -> None:
-        self.pid = shard.process.pid if shard is not None and shard.process is not None else None
+        self.pids = [process.pid for process in shard.processes] if shard is not None else []
         self.start = self._now()
 
     def _now(self) -> dict[str, float]:
         times = {"router": time.process_time()}
-        if self.pid is not None:
-            try:
-                fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                times["shard"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-            except (OSError, IndexError, ValueError):
-                pass
+        try:
+            if self.pids:
+                times["shard"] = sum(_cpu_seconds(pid) for pid in self.pids)
+        except (OSError, IndexError, ValueError):
+            pass
         return times
 
     def used(self) -> dict[str, float]:
         now = self._now()
         return {k: now[k] - self.start[k] for k in now if k in self.start}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 async def warm_up(router, image_sizes: list[tuple[int, int]]) -> None:
@@ -141,14 +145,14 @@ async def warm_up(router, image_sizes: list[tuple[int, int]]) -> None:
 
 
 def _start_profiler(shard, out: Path | None) -> subprocess.Popen | None:
-    """py-spy sampling the shard process (raw collapsed stacks), when asked for and installed."""
+    """py-spy sampling the shard process (rank 0's; raw collapsed stacks), when asked for and installed."""
     if out is None or shard is None:
         return None
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(exe).exists():
         print("py-spy is not installed; no profile (pip install py-spy)", file=sys.stderr)
         return None
-    return subprocess.Popen([exe, "record", "--pid", str(shard.process.pid), "--format", "raw", "--rate", "50",
+    return subprocess.Popen([exe, "record", "--pid", str(shard.processes[0].pid), "--format", "raw", "--rate", "50",
                              "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

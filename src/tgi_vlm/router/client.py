@@ -8,6 +8,7 @@ from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.pb import generate_pb2_grpc
 
 MAX_MESSAGE_BYTES = 2**31 - 1  # images can be megabytes; TGI uses i32::MAX
+LIVENESS_ID = 2**64 - 1  # u64::MAX, the request and batch id of TGI's liveness Prefill
 
 
 def socket_url(path_or_url: str) -> str:
@@ -52,3 +53,25 @@ class ShardClient:
 
     async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
         return await self.stub.Decode(pb.DecodeRequest(batches=batches))
+
+    async def liveness(self) -> pb.PrefillResponse:
+        """TGI's model health check: a one-token Prefill (`liveness_batch`)."""
+        return await self.prefill(liveness_batch())
+
+
+def liveness_batch() -> pb.Batch:
+    """The request of TGI's `model_health`: id and batch id 2^64-1, one token in, one out, written to
+    the reserved block 0 (slot 0); it finishes in its Prefill, so no batch stays cached."""
+    request = pb.Request(
+        id=LIVENESS_ID,
+        inputs="liveness",
+        input_chunks=pb.Input(chunks=[pb.InputChunk(text="liveness")]),
+        truncate=1,
+        add_special_tokens=False,
+        parameters=pb.NextTokenChooserParameters(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0,
+                                                 repetition_penalty=1.0),
+        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=1),
+        blocks=[0],
+        slots=[0],
+    )
+    return pb.Batch(id=LIVENESS_ID, requests=[request], size=1, max_tokens=2, max_blocks=1)

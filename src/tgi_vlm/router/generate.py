@@ -41,9 +41,11 @@ class GenerateResult:
 
 
 async def generate(model_id: str, params: RequestParams, *, uds_path: str | None = None,
-                   config: RouterConfig | None = None, shard_args: Sequence[str] = (), out: TextIO = sys.stdout,
-                   err: TextIO = sys.stderr) -> GenerateResult:
+                   config: RouterConfig | None = None, shard_args: Sequence[str] = (), out: TextIO | None = None,
+                   err: TextIO | None = None) -> GenerateResult:
     """`shard_args`: extra `serve` flags for a shard this starts (e.g. --dtype)."""
+    # The streams of this call, not of whenever the module was imported (a test runner swaps them).
+    out, err = out or sys.stdout, err or sys.stderr
     start = time.perf_counter()
     print(f"starting {'or connecting to ' if uds_path else ''}the shard for {model_id} ...", file=err, flush=True)
     async with router_session(model_id, uds_path=uds_path, shard_args=shard_args, config=config) as session:

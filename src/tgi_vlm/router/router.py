@@ -61,6 +61,9 @@ class RouterConfig:
     max_waiting_tokens: int = 20
     # The driver's own: reuse cached prompt blocks (keyed on token ids + images; the shard verifies).
     prefix_caching: bool = True
+    # Ranks of the shard a session starts (`serve --sharded`, one process each); the Router itself
+    # sees one client whatever the number (ServiceDiscovery decides when connecting to a running shard).
+    num_shard: int = 1
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ def is_cache_claim_refusal(entry: Entry, reason: str) -> bool:
 
 
 class Router:
-    """Plays TGI's v3 router against one shard. `run()` is the loop; `submit()` feeds it."""
+    """Plays TGI's v3 router against one shard (a ShardClient, or a ShardedClient over its ranks).
+    `run()` is the loop; `submit()` feeds it."""
 
     def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], PromptTokens | int],
                  config: RouterConfig | None = None):

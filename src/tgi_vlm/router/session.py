@@ -1,4 +1,5 @@
-"""A started router over a shard: spawned as the launcher would, or an existing socket."""
+"""A started router over a shard: spawned as the launcher would (`RouterConfig.num_shard` ranks), or an
+existing socket; either way ServiceDiscovery on rank 0 finds every rank, as TGI's router does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from tgi_vlm.router.client import ShardClient
 from tgi_vlm.router.router import Router, RouterConfig
 from tgi_vlm.router.shard import ShardProcess
+from tgi_vlm.router.sharded_client import ShardedClient, connect
 from tgi_vlm.router.tokens import TokenCounter
 
 
@@ -35,25 +37,27 @@ def existing_socket(uds_path: str | None) -> str | None:
 @asynccontextmanager
 async def router_session(model_id: str, *, uds_path: str | None = None, shard_env: Mapping[str, str] | None = None,
                          shard_args: Sequence[str] = (), config: RouterConfig | None = None,
-                         wrap_client: Callable[[ShardClient], ShardClient] | None = None) -> AsyncIterator[Session]:
+                         wrap_client: Callable[[ShardClient | ShardedClient], ShardClient] | None = None,
+                         ) -> AsyncIterator[Session]:
     """Yield a warmed-up router whose loop is running; on exit stop it and SIGTERM the shard we started."""
+    config = config or RouterConfig()
     counting = asyncio.create_task(asyncio.to_thread(TokenCounter, model_id))  # loads while the shard starts
     socket = existing_socket(uds_path)
     shard = None
     try:
         if socket is None:
-            shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env, extra_args=list(shard_args))
+            shard = ShardProcess(model_id, uds_path=uds_path, env=shard_env, extra_args=list(shard_args),
+                                 num_shard=config.num_shard)
             await asyncio.to_thread(shard.start)
             socket = shard.socket
         counter = await counting
+        client = await connect(socket)
     except BaseException:
         if shard is not None:
             await asyncio.to_thread(shard.stop)
         raise
-    client = ShardClient(socket)
     if wrap_client is not None:
         client = wrap_client(client)
-    config = config or RouterConfig()
     # Prefix caching keys prompts on ids + images (`tokenize`, which also runs the processor per image);
     # without it the length is enough (`count`).
     router = Router(client, counter.tokenize if config.prefix_caching else counter.count, config)

@@ -8,11 +8,16 @@ Invariants:
   leaves the cache exactly as it was.
 - When a step (concatenate, forward, filter) raises, the batches of that call are released and
   never put back; the shard keeps serving.
+- Sharded (`serve --sharded`): every rank gets every RPC and does the same work; a rank answers
+  Generations only for the requests it owns (`ShardGroup.owns`, TGI's `id % world_size == rank`)
+  and the router merges them. Nothing else here depends on the rank: errors, cached batches and
+  the batch cache are the same on every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,6 +29,7 @@ import grpc
 from loguru import logger
 from opentelemetry import trace
 
+from tgi_vlm.distributed import ShardGroup
 from tgi_vlm.errors import (
     BatchNotFound,
     ForwardFailed,
@@ -98,9 +104,11 @@ def _released_on_failure(batches: list[CacheableBatch], what: str) -> Iterator[N
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
-    def __init__(self, model: ShardModel, server_urls: list[str], cache: BatchCache | None = None) -> None:
+    def __init__(self, model: ShardModel, server_urls: list[str], cache: BatchCache | None = None,
+                 group: ShardGroup | None = None) -> None:
         self.model = model
         self.server_urls = list(server_urls)
+        self.group = group or ShardGroup()
         self.cache = cache if cache is not None else BatchCache()
         self._lock = asyncio.Lock()
         # One thread: torch's per-thread state (inference mode, current stream) stays put, and
@@ -111,9 +119,16 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         # never names that batch again, so one left unnamed by the next call is released.
         self._suspended: set[int] = set()
 
-    def close(self) -> None:
-        """Wait for in-flight model work, then stop the worker thread."""
-        self._executor.shutdown(wait=True)
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the worker thread once its in-flight work is done; False if that work is still
+        running after `timeout_s` (None: wait as long as it takes)."""
+        idle = self._executor.submit(lambda: None)  # one thread: this runs once the current work is done
+        self._executor.shutdown(wait=False)
+        try:
+            idle.result(timeout_s)
+        except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            return False
+        return True
 
     async def _on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         async with self._lock:
@@ -263,7 +278,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         else:
             self.cache.add(next_batch)
         return response_type(
-            generations=[g.to_pb() for g in generations],
+            generations=[g.to_pb() for g in generations if self.group.owns(g.request_id)],
             batch=next_batch.to_pb() if next_batch is not None else None,
             forward_ns=timings.forward_ns,
             decode_ns=timings.decode_ns,
