@@ -24,7 +24,7 @@ def test_serve_without_dtype_runs_reports_and_logs_the_cpus_default():
     with ShardProcess(str(tiny_model_path("llama")), env=ENV) as shard:  # no --dtype
         with grpc.insecure_channel(f"unix://{shard.socket}") as channel:
             info = generate_pb2_grpc.TextGenerationServiceStub(channel).Info(pb.InfoRequest(), timeout=30)
-        log = [json.loads(line) for line in shard.log_path.read_text().splitlines() if line.startswith("{")]
+        log = [json.loads(line) for line in shard.log_paths[0].read_text().splitlines() if line.startswith("{")]
     assert (info.dtype, info.device_type) == (expected, "cpu")
     reason = "CPU has native bf16" if has_bf16 else "CPU has no native bf16"
     messages = [record["record"]["message"] for record in log]
