@@ -37,7 +37,7 @@ def test_sigterm_during_a_forward_lets_it_finish_then_exits_cleanly():
         _wait_for_socket(f"{base}-0", process, stdout_path)
         stub = generate_pb2_grpc.TextGenerationServiceStub(grpc.insecure_channel(f"unix://{base}-0"))
         long_text = "word " * 1500
-        batch = make_batch(1, [make_request(i, long_text, max_new_tokens=2) for i in range(16)])
+        batch = make_batch(1, [make_request(i, long_text, max_new_tokens=2) for i in range(48)])
         result: dict = {}
 
         def call():
@@ -49,13 +49,13 @@ def test_sigterm_during_a_forward_lets_it_finish_then_exits_cleanly():
 
         thread = threading.Thread(target=call)
         thread.start()
-        time.sleep(0.5)  # the request is decoded and the forward is running
+        time.sleep(0.3)  # the requests are decoded and the forward is running (it takes seconds)
         signalled_at = time.monotonic()
         process.send_signal(signal.SIGTERM)
         thread.join(120)
         assert "error" not in result, f"in-flight Prefill failed: {result.get('error')}"
         assert result["done_at"] > signalled_at, "the forward ended before SIGTERM: the test proved nothing"
-        assert len(result["response"].generations) == 16
+        assert len(result["response"].generations) == 48
         assert process.wait(60) == 0
         assert not os.path.exists(f"{base}-0")
     finally:
