@@ -14,7 +14,7 @@ import collections
 from pathlib import Path
 
 PHASES = {"prefill": "TextGenerationService._prefill", "decode": "TextGenerationService._decode"}
-# label -> a function name that appears in the stack (first match in this order wins for "other")
+# label -> the function name(s) whose presence in a stack counts the sample
 FRAMES = {
     "request intake (processor, tokenize)": "FlashCausalLM.batch_from_pb",
     "vision tower": ".encode",
@@ -24,7 +24,7 @@ FRAMES = {
     "    SDPA": "_attend",
     "  RMSNorm": "RMSNorm.forward",
     "sampling + outputs": "FlashCausalLM.sample",
-    "linear layers (text and vision)": "inear_forward",  # Linear.forward, or layers/cpu.py's forwards
+    "linear layers (text and vision)": ("Linear.forward", "_linear_forward"),  # layers/cpu.py's own forwards too
     "patch-embedding convolution": "Conv3d.forward",
 }
 
@@ -40,8 +40,9 @@ def summarize(path: Path) -> dict:
         for phase, marker in PHASES.items():
             if marker in names:
                 totals[phase] += int(count)
-                for label, needle in FRAMES.items():
-                    if any(needle in name for name in names):
+                for label, needles in FRAMES.items():
+                    needles = (needles,) if isinstance(needles, str) else needles
+                    if any(needle in name for name in names for needle in needles):
                         frames[phase][label] += int(count)
     return dict(samples=dict(totals), frames={p: dict(c) for p, c in frames.items()})
 
