@@ -70,3 +70,25 @@ def test_switch_off(monkeypatch):
     monkeypatch.setenv("TGI_VLM_CPU_SPEEDUPS", "1")
     cpu.speed_up_for_cpu(model)
     assert "forward" in vars(model[0])
+
+
+def test_packed_bf16_linear_equals_plain_linear_and_releases_the_plain_weight():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    plain = (layer.weight.detach().clone(), layer.bias.detach().clone())
+    inputs = [torch.randn(1, rows, 64, dtype=torch.bfloat16) for rows in (1, 13, 40, 300)]
+    expected = [F.linear(x, *plain) for x in inputs]
+    model = torch.nn.Sequential(layer)
+    cpu.bucket_linear_rows(model)
+    assert cpu.pack_linear_weights(model) == 1
+    for x, want in zip(inputs, expected):
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16  # one copy of the weight, packed
+
+
+def test_shared_and_float32_weights_are_not_packed():
+    embed = torch.nn.Embedding(10, 8).to(torch.bfloat16)
+    head = torch.nn.Linear(8, 10, bias=False).to(torch.bfloat16)
+    head.weight = embed.weight  # tied, as many lm-heads are
+    fp32 = torch.nn.Linear(8, 8)
+    assert cpu.pack_linear_weights(torch.nn.ModuleDict({"embed": embed, "head": head, "fp32": fp32})) == 0

@@ -1,6 +1,6 @@
 """CPU-only speed-ups applied to a loaded model, each exact (same arithmetic, less overhead).
 
-Three costs a profile of the serving step shows on CPU and that transformers' eager modeling does
+Costs a profile of the serving step shows on CPU and that transformers' eager modeling does
 not avoid (benchmarks/results/cpu-profile.md has the figures):
 
 - Allocation churn. Activations of a prefill step are megabytes; glibc serves blocks above its
@@ -13,10 +13,11 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   `bucket_linear_rows` pads the rows of every linear layer to a few fixed sizes, so the kernels
   are built once and reused; padded rows are dropped from the output (row results do not depend
   on the other rows). Float32 goes to MKL's sgemm, which builds nothing per shape: left alone.
-  Tried and dropped: oneDNN-prepacked weights (`torch.ops.mkldnn._linear_pointwise`): ~8% off an
-  isolated bf16 decode step, but slower prefill and a second copy of every weight; in the serving
-  benchmark it lost (188 vs 257 out tok/s). Fused q/k/v or gate/up projections: decode linears
-  are bound by reading the weights (~13 GB/s of ~17 measured), and fusing reads the same bytes.
+- Weight reorders. A bfloat16 linear through `F.linear` reorders its weight into oneDNN's blocked
+  layout on every call; `pack_linear_weights` keeps the weight packed (done once, lazily on the
+  model thread, the plain copy released): a bf16 decode step 28 -> 25 ms, serving +7%. Float32 stays
+  on MKL's sgemm (transformers' arithmetic: float32 parity is held to 1e-4 logits). Fused q/k/v or
+  gate/up projections were not worth it: decode linears read the same bytes fused or not.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
   the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
   patch, i.e. a matrix product. As a convolution it is ~30x slower on CPU than the same product
@@ -26,6 +27,7 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import os
@@ -98,6 +100,44 @@ def bucket_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
+def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed = self.__dict__.get("_packed_weight")
+    if packed is None:
+        packed = _pack(self)
+    rows = x.numel() // x.shape[-1]
+    padded = row_bucket(rows)
+    flat = x.reshape(rows, x.shape[-1])
+    if padded != rows:
+        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def _pack(module: torch.nn.Linear) -> torch.Tensor:
+    """Pack on first use, on the thread that runs the model: weights packed on another thread (the
+    loading one) made a bf16 decode step 1.6x slower (39 vs 25 ms). The plain weight's storage is
+    then released (the packed copy replaces it; the parameter keeps its dtype and name)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
+    module.__dict__["_packed_weight"] = packed
+    module.weight.data = module.weight.data.new_empty(0)
+    return packed
+
+
+def pack_linear_weights(model: torch.nn.Module) -> int:
+    """bfloat16 linears whose weight no other module shares (an lm-head tied to the embeddings is
+    left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per call. Rows are
+    padded as `bucket_linear_rows` does. Returns the count."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return 0
+    owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16 and owners[id(module.weight)] == 1:
+            module.forward = types.MethodType(_packed_linear_forward, module)
+            count += 1
+    return count
+
+
 def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if tuple(x.shape[2:]) != tuple(self.kernel_size):
         return self._conv_forward(x, self.weight, self.bias)
@@ -131,5 +171,6 @@ def speed_up_for_cpu(model: torch.nn.Module, *, sharded: bool = False) -> None:
     tune_allocator()
     convs = convs_as_linear(model)
     linears = 0 if sharded else bucket_linear_rows(model)
+    packed = 0 if sharded else pack_linear_weights(model)
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
-                "rows to reuse oneDNN kernels", convs, linears)
+                "rows to reuse oneDNN kernels, {} of them with prepacked weights", convs, linears, packed)
