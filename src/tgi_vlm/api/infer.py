@@ -16,6 +16,7 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 
 from tgi_vlm.api.errors import ApiError, generation_error, incomplete_generation, overloaded, validation_error
+from tgi_vlm.api.health import BackendHealth
 from tgi_vlm.api.metrics import Metrics
 from tgi_vlm.api.schemas import Parameters
 from tgi_vlm.api.validation import Validator, ValidRequest
@@ -46,6 +47,7 @@ class Infer:
         self.metrics = metrics
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
+        self.health = BackendHealth()  # /health's check; a failed generation switches it to liveness
 
     async def generate(self, inputs: str, params: Parameters, *,
                        add_special_tokens: bool = True) -> tuple[Generation, ValidRequest]:
@@ -70,7 +72,7 @@ class Infer:
                                                       stream=stream)
                 queued = time.perf_counter()
                 routed = await self.router.submit(valid.params, input_len=valid.prompt or valid.input_length)
-                async for index, token, final in _paired(routed, self.router, self.metrics):
+                async for index, token, final in _paired(routed, self.router, self.metrics, self.health):
                     if final is not None:
                         self._done(final, valid, start, queued)
                     yield StreamStep(index, token, final, valid)
@@ -95,9 +97,10 @@ class Infer:
                                   max_new_tokens=valid.params.max_new_tokens)
 
 
-async def _paired(stream: Stream, router: Router,
-                  metrics: Metrics) -> AsyncIterator[tuple[int, TokenEvent, FinalEvent | None]]:
-    """(index, token, None) per token, the last with its successful FinalEvent; a failed request raises.
+async def _paired(stream: Stream, router: Router, metrics: Metrics,
+                  health: BackendHealth) -> AsyncIterator[tuple[int, TokenEvent, FinalEvent | None]]:
+    """(index, token, None) per token, the last with its successful FinalEvent; a failed request raises
+    (and, as in TGI, makes the next /health run the model: `health.generation_failed`).
     Closed early (the consumer went away), the request is cancelled in the router."""
     finished = False
     held: TokenEvent | None = None
@@ -107,6 +110,7 @@ async def _paired(stream: Stream, router: Router,
             if isinstance(event, FinalEvent):
                 finished = True
                 if not event.ok:
+                    health.generation_failed()
                     raise request_error(event)
                 if held is None:
                     raise incomplete_generation()

@@ -17,8 +17,6 @@ from tgi_vlm.router.requests import RequestParams
 
 router = APIRouter()
 
-HEALTH_TIMEOUT_S = 10.0
-
 
 def info(state: ApiState) -> dict:
     """TGI's `Info` fields. The pipeline tag is the model's kind (TGI reads it from the hub)."""
@@ -50,11 +48,11 @@ async def get_info(request: Request) -> JSONResponse:
 @router.get("/ping")
 @router.get("/")
 async def health(request: Request) -> Response:
-    """200 with an empty body when the shard answers its Health RPC, else 503 (TGI's body)."""
-    try:
-        await asyncio.wait_for(state_of(request).router.client.health(), HEALTH_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - any failure to reach the shard is "unhealthy"
-        raise unhealthy() from None
+    """200 with an empty body when the check passes, else 503 (TGI's body). The check is the shards'
+    Health RPC, or after a failed generation the liveness Prefill (api/health.py)."""
+    state = state_of(request)
+    if not await state.infer.health.check(state.router.client):
+        raise unhealthy()
     return Response(status_code=200)
 
 
