@@ -71,9 +71,11 @@ class Pair:
                     [sys.executable, "-c", RANK_SCRIPT, str(REPO_ROOT), self.base, mode, str(self.markers[rank])],
                     env={**os.environ, **launcher_env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 120
-        while not all(os.path.exists(f"{self.base}-{rank}") for rank in range(2)):
+        # Ready when each rank has seen the other up: a peer watch notices a leaving rank only once it
+        # saw it up (server/peers.py), so a rank stopped before that would leave its peer running.
+        while not all(f"peer rank {1 - rank} is up" in self.logs[rank].read_text() for rank in range(2)):
             assert all(p.poll() is None for p in self.processes), self.log_text()
-            assert time.monotonic() < deadline, "the ranks did not bind their sockets"
+            assert time.monotonic() < deadline, f"the ranks did not see each other up:\n{self.log_text()}"
             time.sleep(0.05)
 
     def stub(self, rank: int) -> generate_pb2_grpc.TextGenerationServiceStub:
@@ -99,7 +101,10 @@ class Pair:
         return result
 
     def exit_codes(self) -> list[int]:
-        return [process.wait(EXIT_BOUND_S) for process in self.processes]
+        try:
+            return [process.wait(EXIT_BOUND_S) for process in self.processes]
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a rank is still running after {EXIT_BOUND_S} s:\n{self.log_text()}") from None
 
     def log_text(self, rank: int | None = None) -> str:
         ranks = range(2) if rank is None else [rank]

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from loguru import logger
+
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -66,6 +68,8 @@ class PeerWatch:
         for rank, path in self.sockets.items():
             state = probe(path)
             if state is SocketState.UP:
+                if rank not in self.seen_up:
+                    logger.info("peer rank {} is up ({})", rank, path)  # from now on its leaving is noticed
                 self.seen_up.add(rank)
             elif rank in self.seen_up and state in (SocketState.ABSENT, SocketState.REFUSED):
                 return PeerGone(rank, path, in_order=state is SocketState.ABSENT)
