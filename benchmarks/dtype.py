@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vlm_engine import PREFILL_BUDGET, machine, make_workload, run_engine, throughput
+from benchmarks.vlm_engine import PREFILL_BUDGET, make_workload, run_engine, throughput
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.dtypes import cpu_has_native_bf16
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import tiny_model_path
+from tgi_vlm.testing.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = ("float32", "bfloat16")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -29,13 +27,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_batch, make_request
+from tgi_vlm.testing.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 STEP_PROMPT_TOKENS = 128
@@ -167,16 +165,6 @@ def bench_e2e(engine, model, tokenizer, n: int, quick: bool) -> dict:
 
 
 # ----- report -----------------------------------------------------------------------------------
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version())
 
 
 def markdown(result: dict) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_step import machine, make_prompts  # noqa: E402
+from engine_step import make_prompts  # noqa: E402
 
 from tgi_vlm.config import EngineConfig, GrammarLimits  # noqa: E402
 from tgi_vlm.generation import GrammarCompiler, GrammarType  # noqa: E402
@@ -35,6 +35,7 @@ from tgi_vlm.generation.grammar_compiler import build_vocabulary  # noqa: E402
 from tgi_vlm.models import get_model  # noqa: E402
 from tgi_vlm.testing import tiny_model_path  # noqa: E402
 from tgi_vlm.testing.harness import make_batch, make_request  # noqa: E402
+from tgi_vlm.testing.machine import machine  # noqa: E402
 from tgi_vlm.testing.schemas import BADGE, PERSON, PROFILE, router_regex  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

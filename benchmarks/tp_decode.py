@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import socket
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-import transformers
 
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.distributed import initialize
@@ -36,6 +34,7 @@ from tgi_vlm.models import get_model
 from tgi_vlm.models.tensor_parallel import local_parameter_bytes
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_request
+from tgi_vlm.testing.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 128
@@ -129,16 +128,6 @@ def run_world(world_size: int, threads: int, args) -> list[dict]:
     return sorted(out, key=lambda r: r["rank"])
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), load_average=os.getloadavg())
-
-
 def markdown(result: dict) -> str:
     one, same_cores, two = result["ranks_1"][0], result["ranks_1_same_cores"][0], result["ranks_2"]
     mb = 2**20
@@ -146,7 +135,7 @@ def markdown(result: dict) -> str:
         f"# tp_decode — {result['timestamp']}",
         "",
         f"bench llama (12 query / 4 KV heads), float32, CPU: {result['machine']['cpu']}, "
-        f"{result['machine']['cores']} cores (load average before: {result['machine']['load_average'][0]:.1f}), "
+        f"{result['machine']['cores']} cores (load average before: {result['machine']['load_avg_1m']:.1f}), "
         f"gloo; batch {result['batch']} × {PROMPT_TOKENS}-token prompts, median of {result['steps']} decode steps "
         f"after {WARMUP_STEPS}",
         "",

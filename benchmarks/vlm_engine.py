@@ -32,8 +32,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
-import platform
 import pstats
 import random
 import time
@@ -44,7 +42,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import transformers
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
@@ -52,6 +49,7 @@ from tgi_vlm.config import EngineConfig
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_request
+from tgi_vlm.testing.machine import machine
 
 RESULTS = Path(__file__).parent / "results"
 PREFILL_BUDGET = 512
@@ -310,17 +308,6 @@ def bench(args) -> dict:
 
 
 # ----- report -----------------------------------------------------------------------------------
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
-                transformers=transformers.__version__, python=platform.python_version(),
-                load_avg_1m=os.getloadavg()[0])  # other processes on the same cores skew every number
 
 
 def markdown(result: dict) -> str:
