@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -40,3 +41,14 @@ def load_engine(arch: str, **config_overrides):
 
     config = EngineConfig(**{"device": "cpu", "cpu_kv_cache_bytes": 32 << 20, "dtype": "float32", **config_overrides})
     return get_model(str(tiny_model_path(arch)), config)
+
+
+@pytest.fixture
+def restore_logging():
+    """For tests that run the CLI in-process: the commands point loguru at the runner's streams, which
+    are closed afterwards; put loguru back on stderr."""
+    yield
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr)

@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from loguru import logger
 from typer.testing import CliRunner
 
 from tgi_vlm import cli
 
-
-@pytest.fixture(autouse=True)
-def restore_logging():
-    yield
-    logger.remove()  # the commands point loguru at the runner's (now closed) streams
-    logger.add(sys.stderr)
+pytestmark = pytest.mark.usefixtures("restore_logging")  # tests/conftest.py
 
 
 def test_tiny_model_then_generate_demo_streams_a_text_and_image_request(tmp_path, monkeypatch):

@@ -13,14 +13,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from loguru import logger
 from typer.testing import CliRunner
 
 from tests.e2e.driving import tokens_of
@@ -283,13 +281,6 @@ def test_the_liveness_prefill_reaches_both_ranks_and_one_answers(shards):
     assert [g.request_id for g in rank1.generations] == [2**64 - 1]  # (2^64 - 1) % 2 == 1
     assert list(rank0.generations) == [] and [g.request_id for g in merged.generations] == [2**64 - 1]
     assert not merged.HasField("batch")  # one token: finished in its Prefill
-
-
-@pytest.fixture
-def restore_logging():
-    yield
-    logger.remove()  # the command points loguru at the runner's (now closed) streams
-    logger.add(sys.stderr)
 
 
 def test_generate_num_shard_2_runs_end_to_end(monkeypatch, restore_logging):

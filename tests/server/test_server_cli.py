@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from loguru import logger
 from typer.testing import CliRunner
 
 from tgi_vlm import cli
@@ -18,11 +16,7 @@ CLEAN_ENV = {"WORLD_SIZE": None, "RANK": None, "MASTER_ADDR": None, "MASTER_PORT
 RANK_1_OF_2 = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29511"}
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    yield
-    logger.remove()  # the commands point loguru at the runner's (now closed) streams
-    logger.add(sys.stderr)
+pytestmark = pytest.mark.usefixtures("restore_logging")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -5,10 +5,7 @@ reaches a real shard: its Info's dtype.)"""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from loguru import logger
 from typer.testing import CliRunner
 
 from tgi_vlm import cli
@@ -20,11 +17,7 @@ from tgi_vlm.testing import tiny_model_path
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    yield
-    logger.remove()  # the commands point loguru at the runner's (now closed) streams
-    logger.add(sys.stderr)
+pytestmark = pytest.mark.usefixtures("restore_logging")  # tests/conftest.py
 
 
 class Recorded(Exception):
