@@ -71,7 +71,7 @@ class Infer:
                 valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
                                                       stream=stream)
                 queued = time.perf_counter()
-                routed = await self.router.submit(valid.params, input_len=valid.prompt or valid.input_length)
+                routed = await self.router.submit(valid.params, input_len=valid.prompt if valid.prompt is not None else valid.input_length)
                 async for index, token, final in _paired(routed, self.router, self.metrics, self.health):
                     if final is not None:
                         self._done(final, valid, start, queued)

@@ -80,12 +80,16 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _bucketed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`x` as `[rows, in]` with zero rows appended up to `row_bucket(rows)`, and `rows`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    flat = x.reshape(rows, x.shape[-1])
     padded = row_bucket(rows)
-    if padded == rows:
-        return F.linear(x, self.weight, self.bias)
-    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    return (F.pad(flat, (0, 0, 0, padded - rows)) if padded != rows else flat), rows
+
+
+def _bucketed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    flat, rows = _padded_rows(x)
     return F.linear(flat, self.weight, self.bias)[:rows].view(*x.shape[:-1], self.out_features)
 
 
@@ -104,11 +108,7 @@ def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
     packed = self.__dict__.get("_packed_weight")
     if packed is None:
         packed = _pack(self)
-    rows = x.numel() // x.shape[-1]
-    padded = row_bucket(rows)
-    flat = x.reshape(rows, x.shape[-1])
-    if padded != rows:
-        flat = F.pad(flat, (0, 0, 0, padded - rows))
+    flat, rows = _padded_rows(x)
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], self.out_features)
 
