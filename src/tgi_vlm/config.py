@@ -113,6 +113,10 @@ class EngineConfig:
     wiggle_room: float = 0.90
     # CPU has no "free memory" to size the KV cache from: a byte budget instead.
     cpu_kv_cache_bytes: int = 1 << 30
+    # The torch backend's dense copy of the decoding sequences' K/V (layers/attention/decode_mirror.py),
+    # at most this share of the KV cache's bytes; 0 = the reference gather path. None: 0.5 on CPU, 0 on
+    # CUDA (whose KV cache takes the free memory, and whose default backend is flashinfer).
+    decode_mirror: float | None = None
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
     # Tensor parallelism (serve --sharded): this process's rank of world_size; 1 = one unsharded shard.
@@ -126,6 +130,12 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 << 20
     limits: InputLimits = field(default_factory=InputLimits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+
+    @property
+    def decode_mirror_share(self) -> float:
+        if self.decode_mirror is not None:
+            return self.decode_mirror
+        return 0.0 if self.device.startswith("cuda") else 0.5
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:
@@ -144,6 +154,7 @@ class EngineConfig:
             cuda_memory_fraction=_float(env, "CUDA_MEMORY_FRACTION", 1.0),
             wiggle_room=_float(env, "TGI_WIGGLE_ROOM", 0.90),
             cpu_kv_cache_bytes=int(_float(env, "TGI_VLM_CPU_KV_CACHE_GB", 1.0) * (1 << 30)),
+            decode_mirror=_float(env, "TGI_VLM_DECODE_MIRROR", None),
             request_logprobs=_flag(env, "REQUEST_LOGPROBS", False),
             watermark_gamma=_float(env, "WATERMARK_GAMMA", 0.5),
             watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),

@@ -86,9 +86,24 @@ def test_packed_bf16_linear_equals_plain_linear_and_releases_the_plain_weight():
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16  # one copy of the weight, packed
 
 
-def test_shared_and_float32_weights_are_not_packed():
+def test_packed_float32_linear_matches_plain_linear_to_float_rounding():
+    """oneDNN sums in another order than MKL: not bit-equal, within float32 rounding (the float32 parity
+    suites hold whole models to transformers' tokens and 1e-4 logits with it)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    plain = (layer.weight.detach().clone(), layer.bias.detach().clone())
+    inputs = [torch.randn(rows, 64) for rows in (1, 13, 40, 300)]
+    expected = [F.linear(x, *plain) for x in inputs]
+    model = torch.nn.Sequential(layer)
+    assert cpu.pack_linear_weights(model) == 1
+    for x, want in zip(inputs, expected):
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
+
+
+def test_shared_and_float16_weights_are_not_packed():
     embed = torch.nn.Embedding(10, 8).to(torch.bfloat16)
     head = torch.nn.Linear(8, 10, bias=False).to(torch.bfloat16)
     head.weight = embed.weight  # tied, as many lm-heads are
-    fp32 = torch.nn.Linear(8, 8)
-    assert cpu.pack_linear_weights(torch.nn.ModuleDict({"embed": embed, "head": head, "fp32": fp32})) == 0
+    fp16 = torch.nn.Linear(8, 8).to(torch.float16)  # no fast oneDNN float16 path on most CPUs
+    assert cpu.pack_linear_weights(torch.nn.ModuleDict({"embed": embed, "head": head, "fp16": fp16})) == 0

@@ -12,11 +12,17 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   the text model and in the vision tower (whose row count is the image's patch count).
   `bucket_linear_rows` pads the rows of every linear layer to a few fixed sizes, so the kernels
   are built once and reused; padded rows are dropped from the output (row results do not depend
-  on the other rows). Float32 goes to MKL's sgemm, which builds nothing per shape: left alone.
-- Weight reorders. A bfloat16 linear through `F.linear` reorders its weight into oneDNN's blocked
-  layout on every call; `pack_linear_weights` keeps the weight packed (done once, lazily on the
-  model thread, the plain copy released): a bf16 decode step 28 -> 25 ms, serving +7%. Float32 stays
-  on MKL's sgemm (transformers' arithmetic: float32 parity is held to 1e-4 logits). Fused q/k/v or
+  on the other rows). Float32 through MKL builds nothing per shape; packed float32 linears (below)
+  go through oneDNN and are padded the same way.
+- Weight reorders and MKL's small-row products. A bfloat16 linear through `F.linear` reorders its
+  weight into oneDNN's blocked layout on every call; `pack_linear_weights` keeps the weight packed
+  (done once, lazily on the model thread, the plain copy released): a bf16 decode step 28 -> 25 ms.
+  Float32 linears are packed too: MKL's sgemm streams the weights at ~9 GB/s for 13 rows here where
+  oneDNN's packed kernel reaches ~17 GB/s (all 84 decode linears of the bench model: 38 -> 21 ms at
+  13 rows, 30 -> 22 ms at 16, 37 -> 29 ms at 32), the product a decode batch computes. One row is the
+  exception (MKL's GEMV 12 ms, packed 15 ms): a batch-1 decode step is ~20% slower, a cost taken
+  for batches (keeping both layouts would double the weights' memory). Packed float32 sums in
+  another order than MKL (~1e-6 apart); the float32 parity suites hold with it. Fused q/k/v or
   gate/up projections were not worth it: decode linears read the same bytes fused or not.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
   the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
@@ -43,10 +49,12 @@ _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB of free heap is kept
 
 _tuned = False
-# Only reduced-precision models take the rewritten paths: in float32 the engine stays
-# transformers' arithmetic (parity tests hold logits to 1e-4, and a matmul sums a patch in another
-# order than the convolution: ~1e-4 apart after a few layers of the tiny models).
+# Row bucketing through F.linear and the convolution rewrite are for reduced precision only: a
+# matmul sums a patch in another order than the convolution, ~1e-4 apart after a few layers of the
+# tiny models in float32, where parity tests hold logits to 1e-4.
 _REDUCED = (torch.bfloat16, torch.float16)
+# dtypes whose linears keep a oneDNN-prepacked weight (see pack_linear_weights)
+_PACKED = (torch.bfloat16, torch.float32)
 
 
 def tune_allocator() -> bool:
@@ -124,15 +132,16 @@ def _pack(module: torch.nn.Linear) -> torch.Tensor:
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
-    """bfloat16 linears whose weight no other module shares (an lm-head tied to the embeddings is
-    left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per call. Rows are
-    padded as `bucket_linear_rows` does. Returns the count."""
+    """bfloat16 and float32 linears whose weight no other module shares (an lm-head tied to the
+    embeddings is left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per
+    call. Rows are padded as `bucket_linear_rows` does (oneDNN builds a kernel per row count in either
+    dtype). Returns the count."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16 and owners[id(module.weight)] == 1:
+        if type(module) is torch.nn.Linear and module.weight.dtype in _PACKED and owners[id(module.weight)] == 1:
             module.forward = types.MethodType(_packed_linear_forward, module)
             count += 1
     return count
@@ -173,4 +182,4 @@ def speed_up_for_cpu(model: torch.nn.Module, *, sharded: bool = False) -> None:
     linears = 0 if sharded else bucket_linear_rows(model)
     packed = 0 if sharded else pack_linear_weights(model)
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
-                "rows to reuse oneDNN kernels, {} of them with prepacked weights", convs, linears, packed)
+                "rows to reuse oneDNN kernels; {} linear layer(s) with prepacked weights", convs, linears, packed)

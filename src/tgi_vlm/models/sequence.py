@@ -18,6 +18,7 @@ forward fails.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -68,6 +69,9 @@ class MultimodalState:
         return end
 
 
+_uids = itertools.count(1)
+
+
 @dataclass
 class Sequence:
     request_id: int
@@ -104,6 +108,9 @@ class Sequence:
     # MAX_DRAFT_SKIP) so a request whose drafts keep failing costs almost nothing extra.
     draft_misses: int = 0
     draft_skip: int = 0
+    # Unique for the process's life (request ids are the router's and may repeat across batches):
+    # what per-sequence device state outside the batch (the decode mirror's rows) is keyed by.
+    uid: int = field(default_factory=lambda: next(_uids))
 
     # ----- queries -----
     @property

@@ -113,7 +113,8 @@ def _decode_group(windows: list[SeqWindow], num_tokens: int) -> DecodeGroup | No
         return None
     # padding is 0 → slot 0 of reserved block 0, masked out
     slot_index = torch.nn.utils.rnn.pad_sequence([w.seq.slot_tensor[: w.end] for w in singles], batch_first=True)
-    return DecodeGroup.build([w.row for w in singles], [w.end for w in singles], slot_index, num_tokens)
+    return DecodeGroup.build([w.row for w in singles], [w.end for w in singles], slot_index, num_tokens,
+                             keys=[w.seq.uid for w in singles])
 
 
 def _prefill_span(window: SeqWindow) -> PrefillSpan:

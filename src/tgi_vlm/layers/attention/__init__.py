@@ -42,8 +42,11 @@ def resolve_backend(requested: str, device: str) -> str:
     return name
 
 
-def make_backend(name: str, pattern: AttentionPattern | None = None) -> AttentionBackend:
-    """A new backend instance for one model (`name` as returned by resolve_backend)."""
+def make_backend(name: str, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0) -> AttentionBackend:
+    """A new backend instance for one model (`name` as returned by resolve_backend). `decode_mirror`: the
+    torch backend's dense decode copy may take up to this share of the KV cache's bytes (0: off)."""
+    if name == "torch":
+        return TorchPagedBackend(pattern, decode_mirror=decode_mirror)
     return BACKENDS[name](pattern)
 
 

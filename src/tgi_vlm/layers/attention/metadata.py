@@ -51,9 +51,13 @@ class DecodeGroup:
     rows_are_all: bool  # the step is decode only: rows == arange(T), no gather/scatter needed
     row_list: list[int]
     kv_len_list: list[int]
+    # Sequence uids (unique for the process's life), in group order; None where the group is not
+    # made of live sequences (CUDA-graph static inputs). The decode mirror keys its rows by these.
+    keys: list[int] | None = None
 
     @classmethod
-    def build(cls, rows: list[int], kv_lens: list[int], slot_index: torch.Tensor, num_tokens: int) -> DecodeGroup:
+    def build(cls, rows: list[int], kv_lens: list[int], slot_index: torch.Tensor, num_tokens: int,
+              keys: list[int] | None = None) -> DecodeGroup:
         device = slot_index.device
         return cls(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
@@ -62,6 +66,7 @@ class DecodeGroup:
             rows_are_all=len(rows) == num_tokens,
             row_list=list(rows),
             kv_len_list=list(kv_lens),
+            keys=keys,
         )
 
 
@@ -87,14 +92,7 @@ class AttentionMetadata:
         key = ("decode", sliding_window, chunk_size)
         if key not in self._masks:
             group = self.decode
-            positions = torch.arange(group.slot_index.shape[1], device=group.slot_index.device)
-            lens = group.kv_lens[:, None]
-            mask = positions[None, :] < lens
-            if sliding_window:
-                mask &= positions[None, :] > lens - 1 - sliding_window
-            if chunk_size:  # Llama4 chunked attention: only keys in the query's own chunk
-                mask &= positions[None, :] >= ((lens - 1) // chunk_size) * chunk_size
-            self._masks[key] = mask[:, None, None, :]
+            self._masks[key] = decode_mask(group.kv_lens, group.slot_index.shape[1], sliding_window, chunk_size)
         return self._masks[key]
 
     def prefill_mask(self, index: int, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
@@ -103,6 +101,20 @@ class AttentionMetadata:
         if key not in self._masks:
             self._masks[key] = _span_mask(self.prefills[index], sliding_window, chunk_size)
         return self._masks[key]
+
+
+def decode_mask(kv_lens: torch.Tensor, width: int, sliding_window: int | None,
+                chunk_size: int | None) -> torch.Tensor:
+    """[B, 1, 1, width] bool: position p is visible to a decode query of a sequence with kv_len L when
+    p < L, within the sliding window, and (Llama4 chunked attention) in the query's own chunk."""
+    positions = torch.arange(width, device=kv_lens.device)[None, :]
+    lens = kv_lens[:, None]
+    mask = positions < lens
+    if sliding_window:
+        mask &= positions > lens - 1 - sliding_window
+    if chunk_size:
+        mask &= positions >= ((lens - 1) // chunk_size) * chunk_size
+    return mask[:, None, None, :]
 
 
 def _span_mask(span: PrefillSpan, sliding_window: int | None, chunk_size: int | None) -> torch.Tensor:

@@ -5,11 +5,13 @@ cached positions: all one-token (decode) sequences in one batched SDPA call, eac
 its own. Masks come from the metadata (built once per step and shared by the layers).
 
 K/V copies: a prefill span with nothing cached before it (the usual first chunk of a prompt)
-attends to the step's own key/value rows, no copy. Spans after a cached prefix, and the decode
-group, gather their positions from the paged cache, one `index_select` per layer. Measured
-alternatives for decode (benchmarks/results/cpu-profile.md): one SDPA per sequence over a view of
-its blocks when they are contiguous costs ~28 us of call overhead per sequence and layer, more
-than the batched gather at 8+ sequences once the allocator reuses memory (layers/cpu.py).
+attends to the step's own key/value rows, no copy. Spans after a cached prefix gather their
+positions from the paged cache, one `index_select` per layer. The decode group either does the
+same (the reference path: `decode_mirror=0`, and always on GPU) or, on CPU by default, attends over
+a dense per-sequence copy that each step only appends to (decode_mirror.py): the same values, no
+whole-context gather per layer. Measured alternatives (benchmarks/results/cpu-profile.md): one SDPA
+per sequence over a view of its blocks when they are contiguous costs ~28 us of call overhead per
+sequence and layer, more than the batched gather at 8+ sequences.
 """
 
 from __future__ import annotations
@@ -17,12 +19,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tgi_vlm.layers.attention.backend import AttentionBackend
+from tgi_vlm.layers.attention.backend import AttentionBackend, AttentionPattern
+from tgi_vlm.layers.attention.decode_mirror import DecodeMirror, MirrorStep
 from tgi_vlm.layers.attention.metadata import AttentionMetadata
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0):
+        super().__init__(pattern)
+        self.mirror_share = decode_mirror  # of the KV cache's bytes; 0: the reference gather path
+        self.mirror: DecodeMirror | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        meta.backend_state = None
+        if meta.decode is None or not self.mirror_share:
+            return
+        budget = int(self.mirror_share * meta.kv_cache.spec.bytes_per_block * meta.kv_cache.num_blocks)
+        if self.mirror is None or self.mirror.budget_bytes != budget:
+            self.mirror = DecodeMirror(budget)
+        meta.backend_state = self.mirror.plan(meta.decode, meta.kv_cache)
 
     def forward(self, layer_idx, query, key, value, meta: AttentionMetadata, *, scaling, sliding_window,
                 softcap=None) -> torch.Tensor:
@@ -31,7 +48,10 @@ class TorchPagedBackend(AttentionBackend):
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)
         chunk = self.pattern.chunk_size(layer_idx)
-        if meta.decode is not None:
+        if isinstance(meta.backend_state, MirrorStep):
+            self._decode_from_mirror(layer_idx, q, out, k_cache, v_cache, meta.backend_state, scaling,
+                                     sliding_window, chunk, softcap)
+        elif meta.decode is not None:
             _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
         for index, span in enumerate(meta.prefills):
             q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
@@ -51,6 +71,15 @@ class TorchPagedBackend(AttentionBackend):
                 o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
             out[span.q_start : span.q_end] = o[0].transpose(0, 1)
         return out[None]
+
+
+    def _decode_from_mirror(self, layer_idx, q, out, k_cache, v_cache, step: MirrorStep, scaling,
+                            sliding_window, chunk, softcap) -> None:
+        k, v = self.mirror.sync_layer(layer_idx, k_cache, v_cache)  # [B, Hkv, width, D], mirror row order
+        q_dec = q.index_select(0, step.token_rows)[:, :, None, :]  # [B, Hq, 1, D]
+        mask = self.mirror.mask(step, sliding_window, chunk)
+        o = _attend(q_dec, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap)  # [B, Hq, 1, D]
+        out.index_copy_(0, step.token_rows, o[:, :, 0])
 
 
 def _plain_causal(span, sliding_window: int | None, chunk: int | None) -> bool:
