@@ -130,11 +130,12 @@ def test_growing_past_the_capacity_keeps_what_rows_held(cache):
     seqs = make_seqs(cache, [60, 2])
     run_step(mirror, seqs, cache)
     capacity = mirror.shape[1]
-    while seqs[0].len < capacity:
-        run_step(mirror, seqs, cache)  # each checks every row against the cache
-    step = run_step(mirror, seqs, cache)
-    assert step.new_shape is not None and mirror.shape[1] > capacity
-    assert step.copy_slots.numel() == 2
+    steps = []
+    while mirror.shape[1] == capacity:
+        steps.append(run_step(mirror, seqs, cache))  # each checks every row against the cache
+    assert steps[-1].new_shape == mirror.shape and mirror.shape[1] > seqs[0].len
+    assert all(step.copy_slots.numel() == 2 for step in steps)
+    assert all(step.new_shape is None for step in steps[:-1])
 
 
 def test_over_budget_the_step_gathers_and_the_mirror_gives_its_memory_back(cache):

@@ -58,7 +58,7 @@ def tokenize_images(prompt: VlmPrompt, request: generate_pb2.Request, parts: lis
     """(prompt ids after truncation, processor outputs cut alike, image spans that survived)."""
     processed = process_prompt(prompt, request, parts, images)
     try:
-        per_image = [prompt.image_inputs(img) for img in images]
+        per_image = _per_image_inputs(prompt, processed, parts, images)
     except Exception as exc:  # noqa: BLE001
         raise InvalidRequest(request.id, f"the processor rejected the input: {type(exc).__name__}: {exc}") from None
     ids = processed["input_ids"][0].tolist()
@@ -71,6 +71,21 @@ def tokenize_images(prompt: VlmPrompt, request: generate_pb2.Request, parts: lis
         for i, ((offset, length, embed_index), (pixels, _), digest) in enumerate(zip(located, per_image, digests))
     ]
     return truncate_with_images(request, ids, processed, spans, warmup=warmup)
+
+
+def _per_image_inputs(prompt: VlmPrompt, processed: dict, parts: list[str | None], images: list) -> list[tuple[dict, int]]:
+    """(pixel inputs, embedding-token count) of each image. One image: taken from the whole-prompt
+    output, whose image tokens are all that image's (unless the text spells the image token itself:
+    then, as with several images, each image goes through the processor again on its own)."""
+    if len(images) == 1 and not _text_names_the_image_token(prompt, parts):
+        count = int((processed["input_ids"] == prompt.image_token_id).sum())
+        return [(prompt.only_image_inputs(processed), count)]
+    return [prompt.image_inputs(img) for img in images]
+
+
+def _text_names_the_image_token(prompt: VlmPrompt, parts: list[str | None]) -> bool:
+    names = {prompt.image_placeholder(), prompt.tokenizer.convert_ids_to_tokens(prompt.image_token_id)}
+    return any(part is not None and any(name and name in part for name in names) for part in parts)
 
 
 def truncate_with_images(request, ids: list[int], processed: dict, spans: list[ImageSpan], *, warmup: bool = False):

@@ -90,13 +90,17 @@ class DecodeMirror:
         return self.step
 
     def _shape_for(self, rows: int, longest: int) -> tuple[int, int]:
-        """Keep the current shape while it fits and is not much larger than needed; else what is needed
-        plus some room (a regrow copies the whole mirror: ~once per _POSITION_ALIGN decode steps)."""
+        """Sticky: keep the current shape while it fits and is not far larger than needed; grow by half
+        at least. A change of shape copies the whole mirror, so batches whose longest sequence or size
+        come and go must not resize it every few steps."""
         have_rows, have_cap = self.shape
         need_cap = (longest // _POSITION_ALIGN + 1) * _POSITION_ALIGN
-        cap = have_cap if longest <= have_cap <= need_cap + 2 * _POSITION_ALIGN else need_cap
-        row_count = have_rows if rows <= have_rows <= rows + 2 * _ROW_SLACK else rows + _ROW_SLACK
-        return row_count, cap
+        if longest >= have_cap or have_cap > 4 * need_cap:
+            grown = -(-max(need_cap, have_cap + have_cap // 2) // _POSITION_ALIGN) * _POSITION_ALIGN
+            have_cap = grown if longest >= have_cap else need_cap
+        if rows > have_rows or have_rows > 2 * rows + 2 * _ROW_SLACK:
+            have_rows = max(rows + _ROW_SLACK, have_rows + have_rows // 2) if rows > have_rows else rows + _ROW_SLACK
+        return have_rows, have_cap
 
     def _assign_rows(self, keys: list[int]) -> list[tuple[int, int]]:
         """Rows [0, B) for the step's sequences: kept rows stay where they are unless past B (then

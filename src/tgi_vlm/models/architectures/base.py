@@ -55,6 +55,11 @@ class VlmPrompt:
             self.processor(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
         )
 
+    def only_image_inputs(self, processed: dict) -> dict:
+        """The pixel inputs of a prompt's only image, out of the whole-prompt processor output: with one
+        image every non-text output belongs to it (what `image_inputs` would compute again)."""
+        return {k: v for k, v in processed.items() if k not in TEXT_KEYS}
+
     def image_inputs(self, image) -> tuple[dict, int]:
         """This image alone through the processor: (pixel inputs, number of embedding tokens).
 

@@ -31,6 +31,9 @@ class PaliGemmaPrompt(VlmPrompt):
         out.pop("labels", None)  # returned even without a suffix
         return out
 
+    def only_image_inputs(self, processed: dict) -> dict:
+        return {"pixel_values": processed["pixel_values"]}
+
     def image_inputs(self, image) -> tuple[dict, int]:
         out = self.processor(text=[""], images=[image], return_tensors="pt")
         count = int((out["input_ids"] == self.image_token_id).sum())
