@@ -54,7 +54,7 @@ _tuned = False
 # tiny models in float32, where parity tests hold logits to 1e-4.
 _REDUCED = (torch.bfloat16, torch.float16)
 # dtypes whose linears keep a oneDNN-prepacked weight (see pack_linear_weights)
-_PACKED = (torch.bfloat16, torch.float32)
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def tune_allocator() -> bool:
@@ -88,7 +88,7 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` as `[rows, in]` with zero rows appended up to `row_bucket(rows)`, and `rows`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     flat = x.reshape(rows, x.shape[-1])
@@ -97,7 +97,7 @@ def _padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _bucketed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    flat, rows = _padded_rows(x)
+    flat, rows = padded_rows(x)
     return F.linear(flat, self.weight, self.bias)[:rows].view(*x.shape[:-1], self.out_features)
 
 
@@ -116,7 +116,7 @@ def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
     packed = self.__dict__.get("_packed_weight")
     if packed is None:
         packed = _pack(self)
-    flat, rows = _padded_rows(x)
+    flat, rows = padded_rows(x)
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], self.out_features)
 
@@ -141,7 +141,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype in _PACKED and owners[id(module.weight)] == 1:
+        if type(module) is torch.nn.Linear and module.weight.dtype in PACKED_DTYPES and owners[id(module.weight)] == 1:
             module.forward = types.MethodType(_packed_linear_forward, module)
             count += 1
     return count
@@ -169,17 +169,24 @@ def convs_as_linear(model: torch.nn.Module) -> int:
     return count
 
 
-def speed_up_for_cpu(model: torch.nn.Module, *, sharded: bool = False) -> None:
-    """All of the above for a model about to serve on CPU (logs what was done).
+def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module | None = None,
+                     sharded: bool = False) -> None:
+    """All of the above for a model about to serve on CPU (logs what was done); `language_model`'s
+    q/k/v and gate/up projections are also fused (layers/cpu_fused.py).
 
     A tensor-parallel model keeps transformers' own linear forwards: its plan hooks them.
     TGI_VLM_CPU_SPEEDUPS=0 turns all of it off (for benchmarks that measure what it buys)."""
     if os.environ.get("TGI_VLM_CPU_SPEEDUPS", "1") == "0":
         logger.info("TGI_VLM_CPU_SPEEDUPS=0: CPU speed-ups off")
         return
+    from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
+
     tune_allocator()
     convs = convs_as_linear(model)
     linears = 0 if sharded else bucket_linear_rows(model)
     packed = 0 if sharded else pack_linear_weights(model)
+    # last: a fused member's forward replaces the packed one set just above (packing is lazy, so none happened)
+    fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model)
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
-                "rows to reuse oneDNN kernels; {} linear layer(s) with prepacked weights", convs, linears, packed)
+                "rows to reuse oneDNN kernels; {} linear layer(s) with prepacked weights; {} q/k/v or gate/up "
+                "group(s) fused", convs, linears, packed, fused)

@@ -39,7 +39,7 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     if config.device == "cpu":
         from tgi_vlm.layers.cpu import speed_up_for_cpu
 
-        speed_up_for_cpu(engine.model, sharded=config.world_size > 1)
+        speed_up_for_cpu(engine.model, language_model=engine.find_language_model(), sharded=config.world_size > 1)
     return engine
 
 

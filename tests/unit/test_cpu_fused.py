@@ -1,0 +1,77 @@
+"""layers/cpu_fused.py: q/k/v and gate/up projections of one input computed as one packed product give
+each member what its own layer gives, whatever the call order or input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dtype, bias=True):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(32, 48, bias=bias).to(dtype)
+        self.k_proj = torch.nn.Linear(32, 16, bias=bias).to(dtype)
+        self.v_proj = torch.nn.Linear(32, 16, bias=bias).to(dtype)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(32, 64, bias=False).to(dtype)
+        self.up_proj = torch.nn.Linear(32, 64, bias=False).to(dtype)
+
+
+def plain(module):
+    return {name: (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+            for name, m in module.named_children()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_member_gets_its_own_layer_s_output_in_any_call_order(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"attn": Attention(dtype), "mlp": MLP(dtype)})
+    weights = {k: plain(v) for k, v in model.items()}
+    assert fuse_sibling_projections(model) == 2
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for rows in (1, 13, 40):
+        x = torch.randn(1, rows, 32, dtype=dtype)
+        for order in (("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")):
+            for name in order:
+                torch.testing.assert_close(getattr(model["attn"], name)(x), F.linear(x, *weights["attn"][name]), **tol)
+        h = torch.randn(rows, 32, dtype=dtype)
+        gate, up = model["mlp"].gate_proj(h), model["mlp"].up_proj(h)
+        torch.testing.assert_close(gate, F.linear(h, *weights["mlp"]["gate_proj"]), **tol)
+        torch.testing.assert_close(up, F.linear(h, *weights["mlp"]["up_proj"]), **tol)
+        assert gate.shape == (rows, 64)
+    assert model["attn"].q_proj.weight.numel() == 0  # one copy of the weights: the fused, packed one
+
+
+def test_a_member_called_with_another_input_gets_that_input_s_output():
+    torch.manual_seed(0)
+    attn = Attention(torch.float32)
+    weights = plain(attn)
+    fuse_sibling_projections(attn)
+    latents, context = torch.randn(3, 32), torch.randn(5, 32)
+    q = attn.q_proj(latents)
+    k = attn.k_proj(context)  # e.g. a perceiver: keys from another tensor
+    v = attn.v_proj(context)
+    torch.testing.assert_close(q, F.linear(latents, *weights["q_proj"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, F.linear(context, *weights["k_proj"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v, F.linear(context, *weights["v_proj"]), rtol=1e-5, atol=1e-5)
+
+
+def test_groups_with_shared_weights_mixed_dtypes_or_missing_members_are_left_alone():
+    shared = Attention(torch.float32)
+    other = torch.nn.Linear(32, 16)
+    other.weight = shared.k_proj.weight
+    mixed = Attention(torch.float32)
+    mixed.v_proj = mixed.v_proj.to(torch.bfloat16)
+    half = MLP(torch.float32)
+    del half.up_proj
+    model = torch.nn.ModuleDict({"shared": shared, "other": other, "mixed": mixed, "partial": half})
+    assert fuse_sibling_projections(model) == 0
+    assert "forward" not in vars(shared.q_proj)
