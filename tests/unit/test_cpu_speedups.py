@@ -101,6 +101,25 @@ def test_packed_float32_linear_matches_plain_linear_to_float_rounding():
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
 
 
+def test_float32_keeps_its_plain_weight_for_one_row_products_when_asked():
+    """One row (batch-1 decode) goes to MKL's GEMV on the kept plain weight: exactly F.linear; more rows
+    use the packed copy."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    plain = (layer.weight.detach().clone(), layer.bias.detach().clone())
+    assert cpu.pack_linear_weights(torch.nn.Sequential(layer), keep_one_row=True) == 1
+    one = torch.randn(1, 1, 64)
+    torch.testing.assert_close(layer(one), F.linear(one, *plain), rtol=0, atol=0)
+    many = torch.randn(1, 9, 64)
+    torch.testing.assert_close(layer(many), F.linear(many, *plain), rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == 64 * 48  # kept (two copies: plain and packed)
+
+
+def test_one_row_copies_are_kept_only_for_float32_weights_small_against_memory():
+    assert cpu.keep_one_row_copies(torch.nn.Linear(64, 48)) is True
+    assert cpu.keep_one_row_copies(torch.nn.Linear(64, 48).to(torch.bfloat16)) is False
+
+
 def test_shared_and_float16_weights_are_not_packed():
     embed = torch.nn.Embedding(10, 8).to(torch.bfloat16)
     head = torch.nn.Linear(8, 10, bias=False).to(torch.bfloat16)

@@ -20,8 +20,8 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   Float32 linears are packed too: MKL's sgemm streams the weights at ~9 GB/s for 13 rows here where
   oneDNN's packed kernel reaches ~17 GB/s (all 84 decode linears of the bench model: 38 -> 21 ms at
   13 rows, 30 -> 22 ms at 16, 37 -> 29 ms at 32), the product a decode batch computes. One row is the
-  exception (MKL's GEMV 12 ms, packed 15 ms): a batch-1 decode step is ~20% slower, a cost taken
-  for batches (keeping both layouts would double the weights' memory). Packed float32 sums in
+  exception (MKL's GEMV 12 ms, packed 15 ms: a batch-1 decode step ~20% slower), so float32 keeps
+  the plain weight too for one-row products when that second copy is cheap (`keep_one_row_copies`). Packed float32 sums in
   another order than MKL (~1e-6 apart); the float32 parity suites hold with it. Fused q/k/v or
   gate/up projections were not worth it: decode linears read the same bytes fused or not.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
@@ -112,30 +112,60 @@ def bucket_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
+class PackedWeight:
+    """A linear weight in oneDNN's packed layout (no reorder per call), plus, for float32 when memory
+    allows, the plain weight for one-row products: MKL's GEMV streams it faster than oneDNN's packed
+    kernel (84 decode linears of the bench model: 12 vs 15 ms), which would make batch-1 decode ~20%
+    slower. Made on first use, on the thread that runs the model (see `_pack`)."""
+
+    def __init__(self, weight: torch.Tensor, *, keep_one_row: bool):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        self.one_row = weight if keep_one_row and weight.dtype == torch.float32 else None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x `[..., in]` -> `[..., out]`."""
+        if self.one_row is not None and x.numel() == x.shape[-1]:
+            return F.linear(x, self.one_row, bias)
+        flat, rows = padded_rows(x)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+
 def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    packed = self.__dict__.get("_packed_weight")
-    if packed is None:
-        packed = _pack(self)
-    flat, rows = padded_rows(x)
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
-    return out[:rows].view(*x.shape[:-1], self.out_features)
+    weight = self.__dict__.get("_packed_weight")
+    if weight is None:
+        weight = _pack(self)
+    return weight(x, self.bias)
 
 
-def _pack(module: torch.nn.Linear) -> torch.Tensor:
+def _pack(module: torch.nn.Linear) -> PackedWeight:
     """Pack on first use, on the thread that runs the model: weights packed on another thread (the
     loading one) made a bf16 decode step 1.6x slower (39 vs 25 ms). The plain weight's storage is
-    then released (the packed copy replaces it; the parameter keeps its dtype and name)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 16)
-    module.__dict__["_packed_weight"] = packed
-    module.weight.data = module.weight.data.new_empty(0)
-    return packed
+    then released unless kept for one-row products (the parameter keeps its dtype and name)."""
+    weight = PackedWeight(module.weight.detach(), keep_one_row=module.__dict__.get("_keep_one_row", False))
+    module.__dict__["_packed_weight"] = weight
+    if weight.one_row is None:
+        module.weight.data = module.weight.data.new_empty(0)
+    return weight
 
 
-def pack_linear_weights(model: torch.nn.Module) -> int:
+def keep_one_row_copies(model: torch.nn.Module) -> bool:
+    """Whether float32 packed linears also keep their plain weight (for one-row products): when those
+    weights take at most 1/16 of the machine's memory, so the second copy is cheap."""
+    fp32_bytes = sum(m.weight.numel() * 4 for m in model.modules()
+                     if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return 0 < fp32_bytes <= memory // 16
+
+
+def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -> int:
     """bfloat16 and float32 linears whose weight no other module shares (an lm-head tied to the
     embeddings is left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per
     call. Rows are padded as `bucket_linear_rows` does (oneDNN builds a kernel per row count in either
-    dtype). Returns the count."""
+    dtype). `keep_one_row`: float32 ones keep the plain weight too (`PackedWeight`). Returns the count."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
@@ -143,6 +173,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in PACKED_DTYPES and owners[id(module.weight)] == 1:
             module.forward = types.MethodType(_packed_linear_forward, module)
+            module.__dict__["_keep_one_row"] = keep_one_row
             count += 1
     return count
 
@@ -184,9 +215,10 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
     tune_allocator()
     convs = convs_as_linear(model)
     linears = 0 if sharded else bucket_linear_rows(model)
-    packed = 0 if sharded else pack_linear_weights(model)
+    keep_one_row = keep_one_row_copies(model)
+    packed = 0 if sharded else pack_linear_weights(model, keep_one_row=keep_one_row)
     # last: a fused member's forward replaces the packed one set just above (packing is lazy, so none happened)
-    fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model)
+    fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model, keep_one_row=keep_one_row)
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
                 "rows to reuse oneDNN kernels; {} linear layer(s) with prepacked weights; {} q/k/v or gate/up "
                 "group(s) fused", convs, linears, packed, fused)

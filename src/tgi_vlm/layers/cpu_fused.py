@@ -25,16 +25,17 @@ import types
 
 import torch
 
-from tgi_vlm.layers.cpu import PACKED_DTYPES, padded_rows
+from tgi_vlm.layers.cpu import PACKED_DTYPES, PackedWeight
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedProjections:
-    def __init__(self, members: list[torch.nn.Linear]):
+    def __init__(self, members: list[torch.nn.Linear], *, keep_one_row: bool = False):
         self.members = members
         self.widths = [m.out_features for m in members]
-        self.packed: torch.Tensor | None = None
+        self.keep_one_row = keep_one_row
+        self.weight: PackedWeight | None = None
         self.bias: torch.Tensor | None = None
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
@@ -50,20 +51,17 @@ class FusedProjections:
         return out
 
     def _compute(self, x: torch.Tensor) -> None:
-        if self.packed is None:
+        if self.weight is None:
             self._pack()
-        flat, rows = padded_rows(x)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")[:rows]
-        lead = x.shape[:-1]
-        self._outputs = [part.view(*lead, part.shape[-1]) for part in out.split(self.widths, dim=-1)]
+        out = self.weight(x, self.bias)
+        self._outputs = list(out.split(self.widths, dim=-1))
         self._input = x
         self._untaken = set(range(len(self.members)))
 
     def _pack(self) -> None:
         """On first use, on the model thread (see layers/cpu.py `_pack`); the members' plain weights are
         released (the parameters keep their dtype and names)."""
-        weight = torch.cat([m.weight.detach() for m in self.members])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        self.weight = PackedWeight(torch.cat([m.weight.detach() for m in self.members]), keep_one_row=self.keep_one_row)
         if self.members[0].bias is not None:
             self.bias = torch.cat([m.bias.detach() for m in self.members])
         for m in self.members:
@@ -86,9 +84,10 @@ def _fusable(members: list) -> bool:
             and len({m.bias is None for m in members}) == 1)
 
 
-def fuse_sibling_projections(language_model: torch.nn.Module) -> int:
+def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: bool = False) -> int:
     """Give every q/k/v and gate/up group of `language_model` one fused, packed product (see above).
-    Weights another module shares are left alone. Returns the number of groups fused."""
+    Weights another module shares are left alone. `keep_one_row`: as `pack_linear_weights`. Returns
+    the number of groups fused."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return 0
     owners: dict[int, int] = {}
@@ -103,7 +102,7 @@ def fuse_sibling_projections(language_model: torch.nn.Module) -> int:
                 continue
             if any(owners.get(id(m.weight), 0) != 1 for m in members):
                 continue
-            group = FusedProjections(members)
+            group = FusedProjections(members, keep_one_row=keep_one_row)
             for index, m in enumerate(members):
                 m.forward = types.MethodType(_member_forward(group, index), m)
             count += 1
