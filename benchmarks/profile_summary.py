@@ -20,11 +20,14 @@ FRAMES = {
     "vision tower": ".encode",
     "text model forward": "TextModel.forward",
     "  attention (paged backend)": "TorchPagedBackend.forward",
-    "    K/V gather": "_gather",
+    "    K/V gather (reference path)": "_gather",
+    "    decode mirror copies": "DecodeMirror.sync_layer",
     "    SDPA": "_attend",
     "  RMSNorm": "RMSNorm.forward",
     "sampling + outputs": "FlashCausalLM.sample",
-    "linear layers (text and vision)": ("Linear.forward", "_linear_forward"),  # layers/cpu.py's own forwards too
+    # layers/cpu.py's and cpu_fused.py's own forwards too
+    "linear layers (text and vision)": ("Linear.forward", "_linear_forward", "PackedWeight.__call__",
+                                        "FusedProjections.output"),
     "patch-embedding convolution": "Conv3d.forward",
 }
 

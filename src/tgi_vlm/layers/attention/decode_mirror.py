@@ -47,8 +47,9 @@ class MirrorStep:
     token_rows: torch.Tensor  # [B] long: the packed-token row of mirror row r
     kv_lens: torch.Tensor  # [B] long: kv_len of mirror row r (this step's token included)
     copy_slots: torch.Tensor  # [N] long: cache slots to copy in ...
-    copy_rows: torch.Tensor  # [N] long: ... into these mirror rows ...
-    copy_positions: torch.Tensor  # [N] long: ... at these positions
+    # [N * Hkv] long: ... to these rows of the mirror seen as [rows * Hkv * capacity, D]: slot n's head h
+    # goes to (row_n * Hkv + h) * capacity + position_n (one index_copy_ per tensor and layer)
+    copy_targets: torch.Tensor
     moves: list[tuple[int, int]]  # (from row, to row): rows moved down into the places of leavers
     new_shape: tuple[int, int] | None  # (rows, capacity) when the tensors grow or shrink this step
     masks: dict = field(default_factory=dict)  # (sliding_window, chunk) -> [B, 1, 1, width] bool
@@ -140,14 +141,16 @@ class DecodeMirror:
         device = group.slot_index.device
         long = dict(dtype=torch.long, device=device)
         order_t = torch.tensor(order, **long)
+        heads, capacity = cache.spec.kv_heads, shape[1]
+        starts = torch.tensor(rows, **long) * (heads * capacity) + torch.tensor(positions, **long)  # head 0
+        targets = (starts[:, None] + torch.arange(heads, **long)[None, :] * capacity).reshape(-1)
         return MirrorStep(
             num_rows=B,
             width=max(group.kv_len_list),
             token_rows=group.rows[order_t],
             kv_lens=group.kv_lens[order_t],
             copy_slots=torch.cat(slots),
-            copy_rows=torch.tensor(rows, **long),
-            copy_positions=torch.tensor(positions, **long),
+            copy_targets=targets,
             moves=moves,
             new_shape=shape if shape != self.shape else None,
         )
@@ -161,9 +164,10 @@ class DecodeMirror:
             self.values = [None] * self.cache.spec.num_layers
         k = self._prepared(self.keys[layer], step, k_cache)
         v = self._prepared(self.values[layer], step, v_cache)
-        # cache rows [N, Hkv, D] into (row, :, position) of the mirror
-        k[step.copy_rows, :, step.copy_positions] = k_cache.index_select(0, step.copy_slots)
-        v[step.copy_rows, :, step.copy_positions] = v_cache.index_select(0, step.copy_slots)
+        # cache rows [N, Hkv, D] into (row, head, position) of the mirror
+        head_dim = k.shape[-1]
+        k.view(-1, head_dim).index_copy_(0, step.copy_targets, k_cache.index_select(0, step.copy_slots).view(-1, head_dim))
+        v.view(-1, head_dim).index_copy_(0, step.copy_targets, v_cache.index_select(0, step.copy_slots).view(-1, head_dim))
         self.keys[layer], self.values[layer] = k, v
         self.layers_synced += 1
         if self.layers_synced == self.cache.spec.num_layers and step.new_shape is not None:
