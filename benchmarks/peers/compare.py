@@ -186,10 +186,10 @@ def ratios(rows: list[dict]) -> list[dict]:
         pairs += [(f"both {a['dtype']}", a, b) for a in tgi for b in peer
                   if a["dtype"] == b["dtype"] and not a["run"]["dtype"] == "default" and b["run"]["dtype"] != "auto"]
         for label, a, b in pairs:
-            if a["run"]["round"] != b["run"]["round"]:
+            if a["run"].get("round", 0) != b["run"].get("round", 0):
                 continue  # each round's runs are compared with their own round's
             sa, sb = a["serving"], b["serving"]
-            out.append({"compared": label, "prefix_caching": prefix, "round": a["run"]["round"],
+            out.append({"compared": label, "prefix_caching": prefix, "round": a["run"].get("round", 0),
                         "tgi_vlm": a["name"], "vllm": b["name"],
                         "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
                         "req_per_s": sa["req_per_s"] / sb["req_per_s"],

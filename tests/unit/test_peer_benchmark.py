@@ -144,8 +144,13 @@ def test_the_closed_loop_keeps_concurrency_in_flight_and_measures_as_bench_does(
 def test_compare_plans_each_dtype_per_system_and_pairs_defaults_and_equal_dtypes():
     args = compare.parse_args(["--dtypes", "default", "float32", "--prefix-caching", "both"])
     assert [r.name for r in compare.plan(args)] == [
-        "tgi-vlm-default-prefix-on", "tgi-vlm-float32-prefix-on", "vllm-auto-prefix-on", "vllm-float32-prefix-on",
-        "tgi-vlm-default-prefix-off", "tgi-vlm-float32-prefix-off", "vllm-auto-prefix-off", "vllm-float32-prefix-off"]
+        "tgi-vlm-default-prefix-on", "vllm-auto-prefix-on", "tgi-vlm-float32-prefix-on", "vllm-float32-prefix-on",
+        "tgi-vlm-default-prefix-off", "vllm-auto-prefix-off", "tgi-vlm-float32-prefix-off", "vllm-float32-prefix-off"]
+    # --rounds: the list again, vLLM first in each pair of odd rounds, names marked with the round
+    rounds = compare.plan(compare.parse_args(["--dtypes", "float32", "--prefix-caching", "default", "--rounds", "3"]))
+    assert [r.name for r in rounds] == ["tgi-vlm-float32-prefix-on", "vllm-float32-prefix-on",
+                                        "vllm-float32-prefix-on-r1", "tgi-vlm-float32-prefix-on-r1",
+                                        "tgi-vlm-float32-prefix-on-r2", "vllm-float32-prefix-on-r2"]
 
     def row(system: str, asked: str, dtype: str, tok_s: float, ttft: float) -> dict:
         serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": ttft}, "itl_s": {"p50": 0.1}}
@@ -157,3 +162,17 @@ def test_compare_plans_each_dtype_per_system_and_pairs_defaults_and_equal_dtypes
     got = [(q["compared"], q["tgi_vlm"], q["vllm"], q["out_tok_per_s"], q["ttft_p50"]) for q in compare.ratios(rows)]
     assert got == [("defaults", "tgi-vlm-default", "vllm-auto", 100 / 300, 2.0),
                    ("both bfloat16", "tgi-vlm-bfloat16", "vllm-bfloat16", 150 / 200, 2.0)]
+
+
+def test_compare_pairs_runs_within_their_round_and_summarizes_the_median_ratio():
+    def row(system: str, asked: str, round_: int, tok_s: float) -> dict:
+        serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": 1.0}, "itl_s": {"p50": 0.1}}
+        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": False, "round": round_},
+                "name": f"{system}-{asked}-{round_}", "dtype": "float32", "error": None, "serving": serving}
+
+    rows = [row("tgi-vlm", "float32", r, t) for r, t in enumerate((90.0, 120.0, 100.0))]
+    rows += [row("vllm", "float32", r, 100.0) for r in range(3)]
+    ratios = compare.ratios(rows)
+    assert [(q["round"], q["out_tok_per_s"]) for q in ratios] == [(0, 0.9), (1, 1.2), (2, 1.0)]
+    [summary] = compare.summary(ratios)
+    assert (summary["median"], summary["min"], summary["max"], summary["rounds"]) == (1.0, 0.9, 1.2, 3)
