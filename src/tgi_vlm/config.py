@@ -7,6 +7,7 @@ reads `os.environ`.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ class EngineConfig:
         config = cls(**values)
         if config.block_size <= 0:
             raise ValueError(f"BLOCK_SIZE={config.block_size} must be positive")
+        mirror = config.decode_mirror
+        if mirror is not None and not (math.isfinite(mirror) and mirror >= 0):
+            raise ValueError(f"TGI_VLM_DECODE_MIRROR={mirror} must be a share of the KV cache >= 0 (0 turns it off)")
         return config
 
 

@@ -23,6 +23,8 @@ def test_defaults_are_the_readmes():
     assert (config.max_message_bytes, config.shutdown_grace_s, config.dist_timeout_s) == (2**31 - 1, 10.0, 120.0)
     assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 30, 256 * MiB)
     assert engine.prefix_caching is False
+    assert engine.decode_mirror_share == 0.5
+    assert EngineConfig.from_env({"TGI_VLM_DEVICE": "cuda"}).decode_mirror_share == 0.0
 
 
 def test_every_variable_is_read():
@@ -30,6 +32,7 @@ def test_every_variable_is_read():
         "TGI_VLM_DEVICE": "cpu", "TGI_VLM_MAX_IMAGES_PER_REQUEST": "3", "TGI_VLM_MAX_IMAGE_BYTES": "1000",
         "TGI_VLM_MAX_IMAGE_PIXELS": "4096", "TGI_VLM_MAX_MESSAGE_BYTES": "5000", "TGI_VLM_SHUTDOWN_GRACE_S": "2.5",
         "TGI_VLM_DIST_TIMEOUT_S": "30", "TGI_VLM_CPU_KV_CACHE_GB": "0.5", "TGI_VLM_ENCODER_CACHE_MB": "0", "PREFIX_CACHING": "1",
+        "TGI_VLM_DECODE_MIRROR": "0.25",
     }  # fmt: skip
     config = ServerConfig.from_env("m", env)
     engine = config.engine
@@ -37,6 +40,13 @@ def test_every_variable_is_read():
     assert (config.max_message_bytes, config.shutdown_grace_s, config.dist_timeout_s) == (5000, 2.5, 30.0)
     assert (engine.cpu_kv_cache_bytes, engine.encoder_cache_bytes) == (1 << 29, 0)
     assert engine.prefix_caching is True
+    assert engine.decode_mirror_share == 0.25
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
+def test_a_decode_mirror_share_that_is_not_a_finite_non_negative_number_is_refused_at_start(value):
+    with pytest.raises(ValueError, match="TGI_VLM_DECODE_MIRROR"):
+        EngineConfig.from_env({"TGI_VLM_DEVICE": "cpu", "TGI_VLM_DECODE_MIRROR": value})
 
 
 def test_a_malformed_number_names_the_variable():

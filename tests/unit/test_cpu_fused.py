@@ -75,3 +75,12 @@ def test_groups_with_shared_weights_mixed_dtypes_or_missing_members_are_left_alo
     model = torch.nn.ModuleDict({"shared": shared, "other": other, "mixed": mixed, "partial": half})
     assert fuse_sibling_projections(model) == 0
     assert "forward" not in vars(shared.q_proj)
+
+
+def test_a_projection_layer_shared_by_two_attention_modules_is_fused_once():
+    first = Attention(torch.float32)
+    second = Attention(torch.float32)
+    second.q_proj = first.q_proj  # the same layer object in two groups
+    assert fuse_sibling_projections(torch.nn.ModuleDict({"a": first, "b": second})) == 1
+    x = torch.randn(2, 32)
+    assert second.q_proj(x).shape == (2, 48)

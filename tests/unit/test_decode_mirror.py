@@ -176,3 +176,40 @@ def test_the_mask_covers_each_row_s_own_positions_with_windows_and_chunks(cache)
     assert window.sum(-1).tolist() == [min(4, n) for n in lens]
     chunked = mirror.mask(step, None, 8)[:, 0, 0]
     assert chunked.sum(-1).tolist() == [n - ((n - 1) // 8) * 8 for n in lens]
+
+
+def test_another_batch_s_one_token_step_gathers_and_leaves_the_rows(cache):
+    """TGI's liveness Prefill is a one-token batch of its own: it must not evict the running batch."""
+    mirror = DecodeMirror(budget_bytes=1 << 30)
+    seqs = make_seqs(cache, [5, 9])
+    run_step(mirror, seqs, cache)
+    probe = make_seqs(cache, [0], first_uid=500)
+    assert run_step(mirror, probe, cache) is None
+    step = run_step(mirror, seqs, cache)
+    assert step.copy_slots.numel() == len(seqs) and step.new_shape is None
+
+
+def test_two_foreign_steps_in_a_row_replace_the_rows(cache):
+    mirror = DecodeMirror(budget_bytes=1 << 30)
+    run_step(mirror, make_seqs(cache, [5, 9]), cache)
+    newcomers = make_seqs(cache, [4, 6], first_uid=700)
+    assert run_step(mirror, newcomers, cache) is None
+    step = run_step(mirror, newcomers, cache)
+    assert step.copy_slots.numel() == sum(s.len for s in newcomers)
+    assert set(mirror.row_of) == {s.uid for s in newcomers}
+
+
+def test_a_plan_that_fails_half_way_leaves_nothing_to_trust(cache, monkeypatch):
+    mirror = DecodeMirror(budget_bytes=1 << 30)
+    seqs = make_seqs(cache, [5, 9, 3])
+    run_step(mirror, seqs, cache)
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no memory for the copy plan")
+
+    monkeypatch.setattr(mirror, "_copies", fail)
+    with pytest.raises(MemoryError):
+        run_step(mirror, seqs[1:], cache)
+    monkeypatch.undo()
+    step = run_step(mirror, seqs[1:], cache)  # rows are checked against the cache inside run_step
+    assert step.copy_slots.numel() == sum(s.len for s in seqs[1:])

@@ -151,14 +151,27 @@ def _pack(module: torch.nn.Linear) -> PackedWeight:
 
 def keep_one_row_copies(model: torch.nn.Module) -> bool:
     """Whether float32 packed linears also keep their plain weight (for one-row products): when those
-    weights take at most 1/16 of the machine's memory, so the second copy is cheap."""
+    weights take at most 1/16 of the memory this process may use, so the second copy is cheap."""
     fp32_bytes = sum(m.weight.numel() * 4 for m in model.modules()
                      if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
+    memory = _usable_memory()
+    return memory is not None and 0 < fp32_bytes <= memory // 16
+
+
+def _usable_memory() -> int | None:
+    """Physical memory, or the cgroup's limit when lower (a container on a large host)."""
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return False
-    return 0 < fp32_bytes <= memory // 16
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = open(path).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            memory = min(memory, int(limit))
+    return memory
 
 
 def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -> int:

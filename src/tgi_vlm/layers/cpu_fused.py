@@ -94,14 +94,15 @@ def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: b
     for module in language_model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    count = 0
+    count, taken = 0, set()
     for module in language_model.modules():
         for names in GROUPS:
             members = [getattr(module, name, None) for name in names]
             if any(m is None for m in members) or not _fusable(members):
                 continue
-            if any(owners.get(id(m.weight), 0) != 1 for m in members):
-                continue
+            if any(owners.get(id(m.weight), 0) != 1 or id(m) in taken for m in members):
+                continue  # a weight or a layer shared with another module: left alone
+            taken.update(id(m) for m in members)
             group = FusedProjections(members, keep_one_row=keep_one_row)
             for index, m in enumerate(members):
                 m.forward = types.MethodType(_member_forward(group, index), m)

@@ -17,8 +17,10 @@ Invariants:
   it copies a position only once a decode step runs at or after it).
 - Rows `[0, B)` are the step's B decoding sequences (in the mirror's own order; `token_rows` maps
   them to the step's packed rows). Sequences that left are dropped and the last rows moved into
-  their place; a sequence not decoding this step (prefilling, speculating, in another batch) loses
-  its row and is copied in again when it comes back.
+  their place; a sequence not decoding this step (prefilling, speculating) loses its row and is
+  copied in again when it comes back. A step sharing no sequence with the rows (another batch's,
+  e.g. TGI's one-token liveness Prefill) gathers and leaves the rows alone; a second one in a row
+  replaces them.
 - The plan is made once per step on the host (`plan`); every layer then applies the same copies
   (`sync_layer`). If a forward stops before its last layer, the next plan starts from empty.
 - Memory: at most `budget_bytes` (a share of the KV cache, EngineConfig.decode_mirror); a step
@@ -69,6 +71,7 @@ class DecodeMirror:
         self.held: list[int] = []  # per row: positions [0, held) are copied
         self.step: MirrorStep | None = None
         self.layers_synced = 0
+        self._foreign_steps = 0  # consecutive steps that shared no sequence with the rows
 
     @property
     def nbytes(self) -> int:
@@ -80,15 +83,30 @@ class DecodeMirror:
         if cache is not self.cache or unfinished:
             self._reset(cache)
         self.step, self.layers_synced = None, 0
-        if group.keys is None:
+        if group.keys is None or self._belongs_elsewhere(group.keys):
             return None
         shape = self._shape_for(len(group.keys), max(group.kv_len_list))
         if _bytes(cache, *shape) > self.budget_bytes:
             self._reset(cache)  # over budget: give the memory back, gather this step
             return None
-        moves = self._assign_rows(group.keys)
-        self.step = self._copies(group, cache, shape, moves)
+        try:
+            moves = self._assign_rows(group.keys)
+            self.step = self._copies(group, cache, shape, moves)
+        except BaseException:
+            self._reset(cache)  # rows were reassigned but nothing copied: start from empty next time
+            raise
         return self.step
+
+    def _belongs_elsewhere(self, keys: list[int]) -> bool:
+        """A step that shares no sequence with the mirror's rows, once: another batch's step (TGI's
+        liveness Prefill is a one-token batch of its own; a new batch before it joins the running
+        one) gathers instead of evicting the running batch's rows. A second such step in a row means
+        the rows are gone for good: they are replaced."""
+        if not self.row_of or not self.row_of.keys().isdisjoint(keys):
+            self._foreign_steps = 0
+            return False
+        self._foreign_steps += 1
+        return self._foreign_steps == 1
 
     def _shape_for(self, rows: int, longest: int) -> tuple[int, int]:
         """Sticky: keep the current shape while it fits and is not far larger than needed; grow by half
@@ -106,8 +124,8 @@ class DecodeMirror:
     def _assign_rows(self, keys: list[int]) -> list[tuple[int, int]]:
         """Rows [0, B) for the step's sequences: kept rows stay where they are unless past B (then
         moved into a leaver's row); newcomers take the remaining rows, holding nothing yet."""
-        count = len(keys)
-        kept = {uid: row for uid, row in self.row_of.items() if uid in set(keys)}
+        count, wanted = len(keys), set(keys)
+        kept = {uid: row for uid, row in self.row_of.items() if uid in wanted}
         free = sorted(set(range(count)) - set(kept.values()))
         moves = []
         for uid, row in sorted(kept.items(), key=lambda item: item[1]):
