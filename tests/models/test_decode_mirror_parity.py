@@ -51,6 +51,8 @@ def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
     mirrored_engine = load_engine(arch, decode_mirror=0.5)
     mirrored = run(mirrored_engine, arch)
     assert mirrored_engine.attention.mirror is not None and mirrored_engine.attention.mirror.nbytes > 0
+    mirrored_engine.release_idle()  # what the service calls once it holds no batch
+    assert mirrored_engine.attention.mirror is None
     assert dict(mirrored.tokens) == dict(reference.tokens)
     assert sorted(mirrored.tokens) == [0, 1, 2, 10, 11]
     for rid, rows in reference.logits.items():

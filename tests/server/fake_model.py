@@ -67,6 +67,10 @@ class FakeModel(ShardModel):
         self.forward_started = threading.Event()
         self.forward_may_finish = threading.Event()
         self.forward_may_finish.set()
+        self.idle_releases = 0  # calls of release_idle
+
+    def release_idle(self) -> None:
+        self.idle_releases += 1
 
     def info(self) -> generate_pb2.InfoResponse:
         return generate_pb2.InfoResponse(

@@ -306,3 +306,22 @@ def test_prefill_refuses_ids_that_would_make_the_cache_ambiguous():
             assert shard.service.cache.ids() == [1]
 
     run(scenario)
+
+
+def test_the_model_gives_back_idle_memory_only_once_no_batch_is_left():
+    """A batch finishing while another is cached (e.g. TGI's liveness Prefill next to the running batch)
+    must not make the model drop state the running batch uses; the last one finishing, or ClearCache, does."""
+    async def scenario():
+        model = FakeModel()
+        async with running_shard(model) as shard:
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(1, [10], max_new_tokens=3)))
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(2, [20], max_new_tokens=1)))  # done at once
+            assert model.idle_releases == 0 and shard.service.cache.ids() == [1]
+            await shard.stub.Decode(pb.DecodeRequest(batches=[cached(1)]))
+            response = await shard.stub.Decode(pb.DecodeRequest(batches=[cached(1)]))
+            assert not response.HasField("batch") and model.idle_releases == 1
+            await shard.stub.Prefill(pb.PrefillRequest(batch=make_batch(3, [30], max_new_tokens=5)))
+            await shard.stub.ClearCache(pb.ClearCacheRequest(id=3))
+            assert model.idle_releases == 2
+
+    run(scenario)

@@ -300,6 +300,9 @@ class FlashCausalLM(ShardModel):
             return generations, None, timings
         return generations, batch, timings
 
+    def release_idle(self) -> None:
+        self.attention.release_idle()  # the CPU decode mirror
+
     def propose_drafts(self, seqs: list[Sequence]) -> None:
         """Speculation (`--speculate N`): up to N draft tokens for every decoding sequence."""
         if self.drafter is None:

@@ -95,3 +95,7 @@ class ShardModel:
 
     def info(self) -> generate_pb2.InfoResponse:
         raise NotImplementedError
+
+    def release_idle(self) -> None:
+        """The service holds no batch any more: give back memory kept between steps (default: none)."""
+        return None

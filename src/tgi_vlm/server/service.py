@@ -218,6 +218,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             logger.debug("cleared {} cached batch(es)", len(released))
         elif not self.cache.drop(batch_id):
             logger.debug("ClearCache: batch {} was not cached", batch_id)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        """No batch left: per-step state kept between steps (the CPU decode mirror) is given back."""
+        if len(self.cache) == 0 and not self._suspended:
+            self.model.release_idle()
 
     def _filter_batch(self, batch_id: int, request_ids: list[int]) -> generate_pb2.CachedBatch:
         self._release_suspended({batch_id})
@@ -275,6 +281,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             generations, next_batch, timings = self.model.generate_token(batch)
         if next_batch is None:
             release_quietly(batch)  # every request finished; release is idempotent
+            self._release_if_idle()
         else:
             self.cache.add(next_batch)
         return response_type(

@@ -61,6 +61,10 @@ class AttentionBackend(ABC):
         """Write this step's K/V at `meta.slots`, attend; query `[1, Hq, T, D]`, K/V `[1, Hkv, T, D]`
         (rotary applied) → `[1, T, Hq, D]`."""
 
+    def release_idle(self) -> None:
+        """No sequence is left: give back state kept between steps (default: nothing)."""
+        return None
+
     def prepare_for_capture(self, meta: AttentionMetadata, size: int) -> None:
         self.prepare_for_replay(meta, size)
 

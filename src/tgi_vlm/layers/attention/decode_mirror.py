@@ -24,7 +24,8 @@ Invariants:
 - The plan is made once per step on the host (`plan`); every layer then applies the same copies
   (`sync_layer`). If a forward stops before its last layer, the next plan starts from empty.
 - Memory: at most `budget_bytes` (a share of the KV cache, EngineConfig.decode_mirror); a step
-  that would need more runs the gather path and the mirror is released.
+  that would need more runs the gather path and the mirror is released. The backend drops the
+  whole mirror when the service holds no batch any more (`release_idle`).
 """
 
 from __future__ import annotations

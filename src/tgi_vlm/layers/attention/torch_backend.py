@@ -32,6 +32,9 @@ class TorchPagedBackend(AttentionBackend):
         self.mirror_share = decode_mirror  # of the KV cache's bytes; 0: the reference gather path
         self.mirror: DecodeMirror | None = None
 
+    def release_idle(self) -> None:
+        self.mirror = None  # its tensors hold the last batch's K/V copy; rebuilt by the next decode step
+
     def plan(self, meta: AttentionMetadata) -> None:
         meta.backend_state = None
         if meta.decode is None or not self.mirror_share:
