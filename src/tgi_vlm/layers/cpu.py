@@ -22,8 +22,9 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   13 rows, 30 -> 22 ms at 16, 37 -> 29 ms at 32), the product a decode batch computes. One row is the
   exception (MKL's GEMV 12 ms, packed 15 ms: a batch-1 decode step ~20% slower), so float32 keeps
   the plain weight too for one-row products when that second copy is cheap (`keep_one_row_copies`). Packed float32 sums in
-  another order than MKL (~1e-6 apart); the float32 parity suites hold with it. Fused q/k/v or
-  gate/up projections were not worth it: decode linears read the same bytes fused or not.
+  another order than MKL (~1e-6 apart); the float32 parity suites hold with it. The language
+  model's q/k/v and gate/up projections are also fused into one packed product each
+  (layers/cpu_fused.py): the same bytes, fewer and larger calls.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
   the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
   patch, i.e. a matrix product. As a convolution it is ~30x slower on CPU than the same product
