@@ -35,7 +35,7 @@ def backend_for(device: str) -> str:
 
 
 def initialize(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
-               timeout_s: float = 600.0) -> ShardGroup:
+               timeout_s: float) -> ShardGroup:
     """Join the default process group (once per process); a world of one joins nothing."""
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}")

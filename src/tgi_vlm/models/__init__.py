@@ -22,7 +22,7 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     backend = resolve_backend(config.attention, config.device)
     attn_name = register_paged_attention()  # one dispatcher; the backend object belongs to the model
     config = dataclasses.replace(config, attention=backend)  # what actually runs (Info reports it)
-    _log_inert_switches(config)
+    _log_what_launcher_switches_do(config)
     hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     choice = choose_dtype(config, hf_config)
     config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
@@ -52,7 +52,7 @@ def choose_dtype(config: EngineConfig, hf_config) -> DtypeChoice:
     return choice
 
 
-def _log_inert_switches(config: EngineConfig) -> None:
+def _log_what_launcher_switches_do(config: EngineConfig) -> None:
     """TGI's launcher sets these for every shard; say plainly what they do here."""
     if config.prefix_caching:
         logger.info("PREFIX_CACHING is set: text models answer Info.use_prefix_caching=true; VLMs answer false "

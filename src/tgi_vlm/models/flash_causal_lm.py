@@ -34,7 +34,7 @@ from tgi_vlm.models.prefix_cache import BlockRecords
 from tgi_vlm.models.rank_agreement import RankAgreement, Refusal
 from tgi_vlm.models.sequence import Sequence
 from tgi_vlm.models.step import SeqWindow, StepInputs, build_step, schedule
-from tgi_vlm.models.tensor_parallel import ShardLayout
+from tgi_vlm.models.tensor_parallel import ShardLayout, head_dim
 from tgi_vlm.models.types import Generation, ShardModel, StepTimings
 from tgi_vlm.pb import generate_pb2
 
@@ -453,12 +453,10 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
 
 def _kv_spec(text_config, block_size: int, dtype: torch.dtype, kv_heads: int) -> KVCacheSpec:
     """`kv_heads`: the heads this rank's attention sees (all of them unsharded)."""
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     return KVCacheSpec(
         num_layers=text_config.num_hidden_layers,
         kv_heads=kv_heads,
-        head_dim=head_dim,
+        head_dim=head_dim(text_config),
         block_size=block_size,
         dtype=dtype,
     )

@@ -111,8 +111,8 @@ def keep_own_kv_head(decoder: torch.nn.Module, text_config, layout: ShardLayout)
     """Cut every replicated k/v projection of the text decoder down to this rank's KV head."""
     if layout.replicated_kv_head is None:
         return
-    head_dim = _head_dim(text_config)
-    rows = slice(layout.replicated_kv_head * head_dim, (layout.replicated_kv_head + 1) * head_dim)
+    size = head_dim(text_config)
+    rows = slice(layout.replicated_kv_head * size, (layout.replicated_kv_head + 1) * size)
     patterns = [_module_pattern(k) for k, s in text_config.base_model_tp_plan.items()
                 if s == "replicate" and _last(k) in KV_PROJECTIONS]
     cut = 0
@@ -121,7 +121,7 @@ def keep_own_kv_head(decoder: torch.nn.Module, text_config, layout: ShardLayout)
             module.weight = torch.nn.Parameter(module.weight.data[rows].clone(), requires_grad=False)
             if module.bias is not None:
                 module.bias = torch.nn.Parameter(module.bias.data[rows].clone(), requires_grad=False)
-            module.out_features = head_dim
+            module.out_features = size
             cut += 1
     if cut != 2 * text_config.num_hidden_layers:
         raise RuntimeError(f"expected {2 * text_config.num_hidden_layers} k/v projections to cut, found {cut}")
@@ -151,7 +151,7 @@ def _kv_heads(text_config) -> int:
     return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
 
 
-def _head_dim(text_config) -> int:
+def head_dim(text_config) -> int:
     return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loguru import logger
+
+from tgi_vlm.sockets import remove_socket
 
 LAUNCHER_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
 WATCH_INTERVAL_S = 0.2
@@ -72,7 +73,7 @@ class ShardProcess:
 
     def start(self) -> ShardProcess:
         for rank, log_path in enumerate(self.log_paths):
-            _remove_stale_socket(self.sockets[rank])  # as the launcher: readiness is the socket appearing
+            remove_socket(self.sockets[rank])  # as the launcher: readiness is the socket appearing
             with open(log_path, "w") as log:
                 self.processes.append(subprocess.Popen(self.args, env={**self.env, "RANK": str(rank)}, stdout=log,
                                                        stderr=subprocess.STDOUT))
@@ -146,10 +147,3 @@ class ShardProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _remove_stale_socket(path: str) -> None:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass

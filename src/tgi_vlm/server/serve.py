@@ -32,6 +32,7 @@ from tgi_vlm.models.types import ShardModel
 from tgi_vlm.pb import generate_pb2_grpc
 from tgi_vlm.server.peers import PeerGone, PeerWatch
 from tgi_vlm.server.service import TextGenerationService
+from tgi_vlm.sockets import remove_socket
 
 ModelFactory = Callable[[ServerConfig], ShardModel]
 
@@ -95,7 +96,7 @@ async def _serve_until_stopped(config: ServerConfig, model: ShardModel, group: S
     try:
         gone = await _wait_for_stop(config, group)
         # Removed first: peers watching this socket see an orderly exit, and no new client connects.
-        _remove_socket(config.socket_path())
+        remove_socket(config.socket_path())
         if gone is None:
             logger.info("Signal received; no new calls, letting the in-flight one finish")
         else:
@@ -103,7 +104,7 @@ async def _serve_until_stopped(config: ServerConfig, model: ShardModel, group: S
         await server.stop(config.shutdown_grace_s)
     finally:
         finished = await asyncio.to_thread(service.close, config.shutdown_grace_s if group.sharded else None)
-        _remove_socket(config.socket_path())
+        remove_socket(config.socket_path())
         if not finished:
             raise ModelThreadBusy(f"rank {group.rank}: the model thread is still busy {config.shutdown_grace_s:g} s "
                                   "after the server stopped (blocked in a collective with a rank that left?)")
@@ -137,13 +138,6 @@ def _remove_stale_socket(path: str) -> None:
     logger.warning("removing stale socket {}", path)
     os.unlink(path)
 
-
-def _remove_socket(path: str) -> None:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def setup_tracing(endpoint: str, service_name: str) -> None:
