@@ -68,7 +68,7 @@ class TorchPagedBackend(AttentionBackend):
                 v_span = _gather(v_cache, span.slot_index).transpose(0, 1)[None].to(q.dtype)
             if not softcap and _plain_causal(span, sliding_window, chunk):
                 # No mask tensor: SDPA's causal kernel also skips the blocks above the diagonal.
-                o = F.scaled_dot_product_attention(q_span, k_span, v_span, is_causal=True, scale=scaling, enable_gqa=True)
+                o = causal_attention(q_span, k_span, v_span, scaling)
             else:
                 mask = meta.prefill_mask(index, sliding_window, chunk)
                 o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
@@ -97,6 +97,29 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """Store key/value `[1, Hkv, T, D]` at `slots` `[T]` of the flat `[num_slots, Hkv, D]` caches."""
     k_cache.index_copy_(0, slots, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, slots, value[0].transpose(0, 1).to(v_cache.dtype))
+
+
+_CAUSAL_BLOCK = 32
+_PADDED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Causal SDPA of one span (`q [1, Hq, L, D]`, K/V `[1, Hkv, L, D]`); in bf16/fp16, over rows padded
+    at the end to a multiple of 32.
+
+    Why: torch's CPU flash kernel runs reduced-precision spans whose length is not a multiple of its
+    32-row blocks much slower: on the bench model's shapes 183 rows take 348 us and 192 rows 219 us,
+    250 take 508 and 256 take 332 (benchmarks/results/cpu-profile.md). Exact for the real rows: under
+    the causal mask row i sees keys 0..i only, so keys appended after the last row are never weighed;
+    the padded rows' outputs are dropped. The kernel's blocking then differs, so sums may round
+    differently (about one bf16 ulp). Float32 keeps the unpadded call (its parity is held to 1e-4 and
+    the gain there is small)."""
+    length = q.shape[2]
+    padded = -(-length // _CAUSAL_BLOCK) * _CAUSAL_BLOCK
+    if q.dtype not in _PADDED_DTYPES or padded == length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+    q, k, v = (F.pad(t, (0, 0, 0, padded - length)) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)[:, :, :length]
 
 
 def _attend(q, k, v, mask, scaling, softcap) -> torch.Tensor:
