@@ -217,13 +217,15 @@ def convs_as_linear(model: torch.nn.Module) -> int:
 def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module | None = None,
                      sharded: bool = False) -> None:
     """All of the above for a model about to serve on CPU (logs what was done); `language_model`'s
-    q/k/v and gate/up projections are also fused (layers/cpu_fused.py).
+    q/k/v and gate/up projections are also fused (layers/cpu_fused.py) and its Llama-family decoder
+    layers take the lean forward (layers/cpu_decoder.py).
 
     A tensor-parallel model keeps transformers' own linear forwards: its plan hooks them.
     TGI_VLM_CPU_SPEEDUPS=0 turns all of it off (for benchmarks that measure what it buys)."""
     if os.environ.get("TGI_VLM_CPU_SPEEDUPS", "1") == "0":
         logger.info("TGI_VLM_CPU_SPEEDUPS=0: CPU speed-ups off")
         return
+    from tgi_vlm.layers.cpu_decoder import install_lean_layers
     from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
 
     tune_allocator()
@@ -233,6 +235,8 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
     packed = 0 if sharded else pack_linear_weights(model, keep_one_row=keep_one_row)
     # last: a fused member's forward replaces the packed one set just above (packing is lazy, so none happened)
     fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model, keep_one_row=keep_one_row)
+    # after fusing: a lean layer slices its fused products itself (layers/cpu_decoder.py)
+    lean = install_lean_layers(language_model) if fused else 0
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "
                 "rows to reuse oneDNN kernels; {} linear layer(s) with prepacked weights; {} q/k/v or gate/up "
-                "group(s) fused", convs, linears, packed, fused)
+                "group(s) fused; {} decoder layer(s) with the lean forward", convs, linears, packed, fused, lean)

@@ -28,6 +28,7 @@ import torch
 from tgi_vlm.layers.cpu import PACKED_DTYPES, PackedWeight
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_GROUPS_ATTR = "_tgi_vlm_fused_projections"  # on the owning module: {member names: FusedProjections}
 
 
 class FusedProjections:
@@ -50,10 +51,15 @@ class FusedProjections:
             self._input, self._outputs = None, []
         return out
 
-    def _compute(self, x: torch.Tensor) -> None:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole group's product for `x` (`[..., sum(widths)]`), for a caller that slices it itself
+        (layers/cpu_decoder.py); the members' outputs are its column blocks in member order."""
         if self.weight is None:
             self._pack()
-        out = self.weight(x, self.bias)
+        return self.weight(x, self.bias)
+
+    def _compute(self, x: torch.Tensor) -> None:
+        out = self.product(x)
         self._outputs = list(out.split(self.widths, dim=-1))
         self._input = x
         self._untaken = set(range(len(self.members)))
@@ -104,7 +110,13 @@ def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: b
                 continue  # a weight or a layer shared with another module: left alone
             taken.update(id(m) for m in members)
             group = FusedProjections(members, keep_one_row=keep_one_row)
+            module.__dict__.setdefault(_GROUPS_ATTR, {})[names] = group
             for index, m in enumerate(members):
                 m.forward = types.MethodType(_member_forward(group, index), m)
             count += 1
     return count
+
+
+def fused_group(module: torch.nn.Module, names: tuple[str, ...]) -> FusedProjections | None:
+    """The group `fuse_sibling_projections` made of `module`'s `names` projections, if it did."""
+    return module.__dict__.get(_GROUPS_ATTR, {}).get(names)

@@ -1,0 +1,48 @@
+"""The lean decoder-layer forward (layers/cpu_decoder.py, on by default on CPU) and transformers' own
+layer forward give the same logits, bit for bit, and the same tokens: prefill chunks next to decode
+rows, requests joining and finishing at different steps, in float32 and bfloat16. The parity suites
+compare the default (lean) path with transformers' generate; this pins it to the layer it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import load_engine
+from tests.models.test_decode_mirror_parity import run
+from tgi_vlm.layers.cpu_decoder import remove_lean_layers
+
+# Every tiny architecture: those whose text layers are Llama-family get the lean forward.
+COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm")
+NOT_COVERED = ("gemma2", "gemma3", "paligemma", "llama4", "phi3")
+
+
+def lean_layers(engine) -> int:
+    return sum(1 for m in engine.language_model.modules() if "_tgi_vlm_lean_parts" in m.__dict__)
+
+
+def arch_for_requests(arch: str) -> str:
+    return arch if arch in ("llama", "mistral", "gemma2") else ("llama" if arch in ("qwen2", "phi3") else arch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", COVERED)
+def test_lean_layers_give_transformers_layers_logits_bit_for_bit(arch, dtype):
+    lean_engine = load_engine(arch, dtype=dtype)
+    layers = lean_engine.language_model.config.num_hidden_layers
+    assert lean_layers(lean_engine) == layers
+    plain_engine = load_engine(arch, dtype=dtype)
+    assert remove_lean_layers(plain_engine.language_model) == layers and lean_layers(plain_engine) == 0
+    requests = arch_for_requests(arch)
+    lean, plain = run(lean_engine, requests), run(plain_engine, requests)
+    assert dict(lean.tokens) == dict(plain.tokens)
+    assert sorted(lean.tokens) == [0, 1, 2, 10, 11]
+    for rid, rows in plain.logits.items():
+        assert len(lean.logits[rid]) == len(rows)
+        for ours, theirs in zip(lean.logits[rid], rows):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", NOT_COVERED)
+def test_other_layers_keep_transformers_forward(arch):
+    assert lean_layers(load_engine(arch)) == 0
