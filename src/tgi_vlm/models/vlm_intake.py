@@ -62,15 +62,24 @@ def tokenize_images(prompt: VlmPrompt, request: generate_pb2.Request, parts: lis
     except Exception as exc:  # noqa: BLE001
         raise InvalidRequest(request.id, f"the processor rejected the input: {type(exc).__name__}: {exc}") from None
     ids = processed["input_ids"][0].tolist()
+    spans = image_spans(request, prompt, ids, [count for _, count in per_image], digests,
+                        [pixels for pixels, _ in per_image])
+    return truncate_with_images(request, ids, processed, spans, warmup=warmup)
+
+
+def image_spans(request: generate_pb2.Request, prompt: VlmPrompt, ids: list[int], counts: list[int],
+                digests: list[str], pixel_inputs: list[dict] | None = None) -> list[ImageSpan]:
+    """Each image's span in the prompt ids, from its embedding-token count (prompt order); the router's
+    counting shortcut (`VlmPrompt.expanded_ids`) builds its spans here too, without pixel inputs."""
     try:
-        located = locate_spans(ids, prompt.image_token_id, [count for _, count in per_image])
+        located = locate_spans(ids, prompt.image_token_id, counts)
     except ValueError as exc:
         raise InvalidRequest(request.id, str(exc)) from None
-    spans = [
+    pixel_inputs = pixel_inputs if pixel_inputs is not None else [{} for _ in counts]
+    return [
         ImageSpan(i, offset, length, embed_index, int((embed_index >= 0).sum()), digest, pixels)
-        for i, ((offset, length, embed_index), (pixels, _), digest) in enumerate(zip(located, per_image, digests))
+        for i, ((offset, length, embed_index), pixels, digest) in enumerate(zip(located, pixel_inputs, digests))
     ]
-    return truncate_with_images(request, ids, processed, spans, warmup=warmup)
 
 
 def _per_image_inputs(prompt: VlmPrompt, processed: dict, parts: list[str | None], images: list) -> list[tuple[dict, int]]:

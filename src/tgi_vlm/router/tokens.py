@@ -8,6 +8,13 @@ the architecture adapter through the shard's own intake functions:
 - `tokenize` (ids, image spans with content hashes, bidirectional groups): `vlm_intake.tokenize_images`
   exactly as the shard's `VlmCausalLM.tokenize_request` calls it, so spans and truncation are the
   shard's by construction. It also runs the processor once per image, so it costs more.
+
+Where the architecture can give the expanded ids from image sizes alone (`VlmPrompt.expanded_ids`:
+Qwen2-VL and Qwen2.5-VL), both skip the image processor's pixel work: images are still decoded and
+checked (the same refusals), spans located and truncated by the shard's functions. The router runs
+beside the shard on the same cores; its processor work (~4 ms per image) cost the shard's forward
+about 5% of a bench run's throughput (benchmarks/results/cpu-profile.md). `fast_count=False` keeps
+the processor (tests compare the two).
 """
 
 from __future__ import annotations
@@ -62,11 +69,12 @@ class TokenCounter:
     `PromptTokens` (ids, image spans, groups: what the prefix cache keys on). Thread-safe (one call at a time)."""
 
     def __init__(self, model_id: str, *, revision: str | None = None, trust_remote_code: bool = False,
-                 limits: InputLimits | None = None):
+                 limits: InputLimits | None = None, fast_count: bool = True):
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
         self.limits = limits or InputLimits()
+        self.fast_count = fast_count
         self._lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
         self.prompt = None
         self.processor = None  # VLMs: the HF processor (its chat template may live there)
@@ -115,6 +123,9 @@ class TokenCounter:
         from tgi_vlm.models.vlm_intake import process_prompt, prompt_parts
 
         parts, images, _ = prompt_parts(request, self.limits)
+        expanded = self._expanded(request, parts, images)
+        if expanded is not None:
+            return expanded[0]
         return process_prompt(self.prompt, request, parts, images)["input_ids"][0].tolist()
 
     def _tokenize(self, request: pb.Request) -> PromptTokens:
@@ -123,8 +134,32 @@ class TokenCounter:
         from tgi_vlm.models.vlm_intake import prompt_parts, tokenize_images
 
         parts, images, digests = prompt_parts(request, self.limits)
+        expanded = self._expanded(request, parts, images)
+        if expanded is not None:
+            return self._tokens_from_counts(request, *expanded, digests)
         ids, processed, spans = tokenize_images(self.prompt, request, parts, images, digests, warmup=False)
         groups = self.prompt.bidirectional_groups(processed, ids, spans)
+        refs = [ImageRef(s.offset, s.length, s.content_hash) for s in spans]
+        return PromptTokens(ids, refs, None if groups is None else groups.tolist())
+
+    def _expanded(self, request: pb.Request, parts: list[str | None], images: list) -> tuple[list[int], list[int]] | None:
+        """(ids, per-image token counts) without the image processor, or None: use it. Whatever the
+        shortcut cannot do (an unsupported architecture, a size the processor refuses) goes the
+        processor's way, which also words any refusal."""
+        if not self.fast_count:
+            return None
+        try:
+            return self.prompt.expanded_ids(parts, images, request.add_special_tokens)
+        except Exception:  # noqa: BLE001 - the processor path below decides and words the error
+            return None
+
+    def _tokens_from_counts(self, request: pb.Request, ids: list[int], counts: list[int], digests: list[str]) -> PromptTokens:
+        """Spans and truncation exactly as `tokenize_images` does them, from the shortcut's ids and counts."""
+        from tgi_vlm.models.vlm_intake import image_spans, truncate_with_images
+
+        spans = image_spans(request, self.prompt, ids, counts, digests)
+        ids, _, spans = truncate_with_images(request, ids, {}, spans)
+        groups = self.prompt.bidirectional_groups({}, ids, spans)
         refs = [ImageRef(s.offset, s.length, s.content_hash) for s in spans]
         return PromptTokens(ids, refs, None if groups is None else groups.tolist())
 

@@ -55,6 +55,13 @@ class VlmPrompt:
             self.processor(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
         )
 
+    def expanded_ids(self, parts: list[str | None], images: list, add_special_tokens: bool = True
+                     ) -> tuple[list[int], list[int]] | None:
+        """The prompt's ids and each image's token count without running the image processor, for
+        counting only (the router); None where the architecture needs the processor for that (the default).
+        An override must give exactly `process(...)["input_ids"]` and the counts `image_inputs` gives."""
+        return None
+
     def only_image_inputs(self, processed: dict) -> dict:
         """The pixel inputs of a prompt's only image, out of the whole-prompt processor output: with one
         image every non-text output belongs to it (what `image_inputs` would compute again)."""
