@@ -45,6 +45,15 @@ def run(engine, arch: str) -> Runner:
     return runner
 
 
+def assert_identical_runs(ours: Runner, reference: Runner) -> None:
+    """The same tokens for every request and the same logits at every step, bit for bit."""
+    assert dict(ours.tokens) == dict(reference.tokens)
+    for rid, rows in reference.logits.items():
+        assert len(ours.logits[rid]) == len(rows)
+        for mine, theirs in zip(ours.logits[rid], rows):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
     reference = run(load_engine(arch, decode_mirror=0.0), arch)
@@ -53,12 +62,8 @@ def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
     assert mirrored_engine.attention.mirror is not None and mirrored_engine.attention.mirror.nbytes > 0
     mirrored_engine.release_idle()  # what the service calls once it holds no batch
     assert mirrored_engine.attention.mirror is None
-    assert dict(mirrored.tokens) == dict(reference.tokens)
+    assert_identical_runs(mirrored, reference)
     assert sorted(mirrored.tokens) == [0, 1, 2, 10, 11]
-    for rid, rows in reference.logits.items():
-        assert len(mirrored.logits[rid]) == len(rows)
-        for ours, theirs in zip(mirrored.logits[rid], rows):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
@@ -74,7 +79,4 @@ def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
         runner.prefill(reqs())
         runner.run()
         out[share] = runner
-    assert dict(out[0.5].tokens) == dict(out[0.0].tokens)
-    for rid, rows in out[0.0].logits.items():
-        for ours, theirs in zip(out[0.5].logits[rid], rows):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert_identical_runs(out[0.5], out[0.0])
