@@ -116,7 +116,10 @@ def markdown(results: list[dict]) -> str:
     when = results[0]["when"] if results else ""
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
-            "process; medians.\n\n" + "\n".join(lines) + "\n")
+            "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
+            "lean-layers is bit-exact, so they must be; causal-padding sums in another order (about one bf16 ulp), "
+            "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
+            "tests/models/test_bf16_parity.py).\n")
 
 
 def main() -> None:
