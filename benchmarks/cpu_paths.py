@@ -56,7 +56,8 @@ class Side:
         self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype))
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:
-            remove_lean_layers(self.engine.language_model)
+            removed = remove_lean_layers(self.engine.language_model)
+            assert removed == self.engine.language_model.config.num_hidden_layers, "nothing to compare against"
         self.enter()
         reqs = [make_request(i, " ".join(["hello world"] * (100 + 7 * i)), max_new_tokens=500) for i in range(DECODE_ROWS)]
         _, self.batch, _ = self.engine.generate_token(self.engine.batch_from_pb(make_batch(1, reqs)))

@@ -1,10 +1,13 @@
 """The router's shortcut for Qwen2-VL and Qwen2.5-VL prompts (image token counts from image sizes, no
 pixel processing: `VlmPrompt.expanded_ids`) gives exactly what the processor gives: the same ids,
-image spans, counts, truncation and refusals, over many image sizes, shapes and prompt layouts."""
+image spans, counts, truncation and refusals, over many image sizes, shapes and prompt layouts, and
+with processor settings the shortcut must read (from the tokenizer's config) or must step aside for."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 
@@ -33,6 +36,8 @@ def layouts(first: bytes, second: bytes):
         ("A ", first, second, " back to back"),
         ("<|vision_start|>", first, "<|vision_end|> spelled by the text"),
         ("the text names <|image_pad|> itself ", first),  # the processor decides: no shortcut
+        ("a <|image_", "pad|> split over two chunks ", first),  # the joined prompt spells it: the processor refuses
+        ("a <|video_pad|> token", first),
         ("no image at all",),
     ]
 
@@ -76,3 +81,47 @@ def test_the_shortcut_does_no_pixel_work(counters, monkeypatch):
     # a corrupt image is still refused by the router, with the shard's words
     bad = make_request(4, "Describe ", b"\x89PNG\r\n\x1a\nnot really", " briefly.")
     assert outcome(fast, bad) == outcome(slow, bad) and outcome(fast, bad)[0] == "refused"
+
+
+def _variant(tmp_path, name: str, file: str, edit) -> str:
+    """A copy of the tiny Qwen2-VL model with one JSON file of its processor edited."""
+    path = tmp_path / name
+    shutil.copytree(tiny_model_path("qwen2_vl"), path)
+    config = json.loads((path / file).read_text())
+    edit(config)
+    (path / file).write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("name, file, edit, shortcut", [
+    # merged into the image settings by the processor's call: the shortcut must read it too
+    ("tokenizer-max-pixels", "tokenizer_config.json", lambda c: c.update(max_pixels=28 * 28 * 4), True),
+    # the processor does not resize: sizes alone do not give the count the same way, so no shortcut
+    ("no-resize", "processor_config.json", lambda c: c["image_processor"].update(do_resize=False), False),
+])
+def test_processor_settings_are_read_or_the_processor_is_kept(tmp_path, name, file, edit, shortcut):
+    path = _variant(tmp_path, name, file, edit)
+    fast, slow = TokenCounter(path), TokenCounter(path, fast_count=False)
+    image = png_bytes(make_test_image(112, 84, seed=1))
+    for k, chunks in enumerate([("Describe ", image, " briefly."), (image,), ("two: ", image, image)]):
+        request = make_request(k, *chunks)
+        assert outcome(fast, request) == outcome(slow, request)
+    parts = ["Describe ", None, "."]
+    from tgi_vlm.images import decode_image
+
+    decoded = decode_image(image, fast.limits)
+    assert (fast.prompt.expanded_ids(parts, [decoded]) is not None) == shortcut
+    assert fast.fast_count == shortcut  # the start-up probe agreed with the processor (or found no shortcut)
+
+
+def test_a_shortcut_that_disagrees_with_the_processor_is_not_used(counters, monkeypatch):
+    fast, slow = counters
+    assert fast.shortcut_agrees()
+    real = type(fast.prompt).expanded_ids
+
+    def one_token_short(self, parts, images, add_special_tokens=True):
+        ids, counts = real(self, parts, images, add_special_tokens)
+        return ids, [c - 1 for c in counts]
+
+    monkeypatch.setattr(type(fast.prompt), "expanded_ids", one_token_short)
+    assert not fast.shortcut_agrees()

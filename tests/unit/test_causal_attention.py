@@ -48,3 +48,9 @@ def test_float32_span_is_the_unpadded_call(length):
     q, k, v = _span(length, torch.float32)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=None, enable_gqa=True)
     assert torch.equal(causal_attention(q, k, v, None), expected)
+
+
+def test_long_reduced_precision_spans_are_the_unpadded_call():
+    q, k, v = _span(1030, torch.bfloat16)  # padded would be 1056 rows, past the measured range
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v, 0.125), expected)

@@ -12,7 +12,8 @@ transformers' Llama-family layers make. For layers whose q/k/v and gate/up proje
 - RMSNorm is `F.rms_norm` on float32 followed by the weight, bit-equal to transformers' RMSNorm
   (tests/unit/test_cpu_decoder.py checks it);
 - the submodules' forwards are called directly, without `Module.__call__` or transformers'
-  argument-deprecation wrappers (the layers carry no hooks; `install_lean_layers` checks).
+  argument-deprecation wrappers (the layers carry no hooks when installed, which `install_lean_layers`
+  checks; a hook added on a submodule later would not run: `remove_lean_layers` first).
 
 Every operation is transformers' own in the same order, so outputs are bit-equal to the layer's own
 forward (tests/models/test_lean_layer_parity.py compares logits exactly on every covered
@@ -100,8 +101,8 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
 def _parts(layer: torch.nn.Module) -> LeanParts | None:
     """The fused groups and head counts of a covered layer, or None when it does not qualify."""
     window_of = LEAN_LAYER_CLASSES.get(type(layer).__name__)
-    if window_of is None:
-        return None
+    if window_of is None or not type(layer).__module__.startswith("transformers.models."):
+        return None  # not one of transformers' own classes (e.g. remote code reusing the name)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return None

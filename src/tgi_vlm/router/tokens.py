@@ -23,11 +23,17 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from loguru import logger
+
 from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.models.intake import request_chunks, truncate_ids
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.prefix_hash import ImageRef
+
+
+# Probe images for `TokenCounter.shortcut_agrees` (width, height): small, odd, wide, tall, large.
+_PROBE_SIZES = ((28, 28), (41, 97), (300, 200), (448, 448), (1000, 37), (1600, 1200))
 
 
 class CountError(ValueError):
@@ -75,6 +81,7 @@ class TokenCounter:
         hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
         self.limits = limits or InputLimits()
         self.fast_count = fast_count
+        self._shortcut_failed = False
         self._lock = threading.Lock()  # HF fast tokenizers refuse concurrent use ("Already borrowed")
         self.prompt = None
         self.processor = None  # VLMs: the HF processor (its chat template may live there)
@@ -87,10 +94,35 @@ class TokenCounter:
             self.prompt = prompt_for(hf_config.model_type)(processor, hf_config)
             self.processor = processor
             self.tokenizer = processor.tokenizer
+            self.fast_count = fast_count and self.shortcut_agrees()
         else:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+
+    def shortcut_agrees(self) -> bool:
+        """Whether the counting shortcut gives the processor's ids on probe images of several sizes and
+        shapes. Checked once at start: a processor configured in a way the shortcut does not read (its
+        own settings, ones merged from the tokenizer's config) then keeps the processor for every request."""
+        from tgi_vlm.images import make_test_image
+
+        parts = ["Describe ", None, " in a few words."]
+        try:
+            for k, (width, height) in enumerate(_PROBE_SIZES):
+                image = make_test_image(width, height, seed=k)
+                shortcut = self.prompt.expanded_ids(parts, [image])
+                if shortcut is None:
+                    return False
+                processed = self.prompt.process(self.prompt.build_prompt(parts), [image])
+                ids = processed["input_ids"][0].tolist()
+                if shortcut != (ids, [ids.count(self.prompt.image_token_id)]):
+                    logger.info("router token counting: the shortcut differs from the processor at {}x{}; "
+                                "using the processor", width, height)
+                    return False
+        except Exception as exc:  # noqa: BLE001 - no shortcut then, whatever the reason
+            logger.info("router token counting: no shortcut ({}: {})", type(exc).__name__, exc)
+            return False
+        return True
 
     def count(self, request: pb.Request) -> int:
         return len(self.input_ids(request))
@@ -150,7 +182,10 @@ class TokenCounter:
             return None
         try:
             return self.prompt.expanded_ids(parts, images, request.add_special_tokens)
-        except Exception:  # noqa: BLE001 - the processor path below decides and words the error
+        except Exception as exc:  # noqa: BLE001 - the processor path below decides and words the error
+            if not self._shortcut_failed:  # e.g. a size the processor refuses; said once, not per request
+                self._shortcut_failed = True
+                logger.info("router token counting: shortcut failed ({}: {}); the processor decides", type(exc).__name__, exc)
             return None
 
     def _tokens_from_counts(self, request: pb.Request, ids: list[int], counts: list[int], digests: list[str]) -> PromptTokens:

@@ -31,21 +31,28 @@ class Qwen2VLPrompt(VlmPrompt):
     def expanded_ids(self, parts: list[str | None], images: list, add_special_tokens: bool = True
                      ) -> tuple[list[int], list[int]] | None:
         """An image's token count depends only on its size here: the processor's own
-        `_get_num_multimodal_tokens` (its resize rule, patch and merge sizes) gives it, and the processor
-        tokenizes the text with each <|image_pad|> repeated that many times. Done the same way, without
-        resizing and normalizing pixels (~4 ms of the router's ~6 ms per one-image request).
-        None (use the processor) when the text itself holds an image or video token, whose expansion the
-        processor decides."""
-        specials = (self.processor.image_token, getattr(self.processor, "video_token", None))
-        if any(p is not None and any(t and t in p for t in specials) for p in parts):
+        `_get_num_multimodal_tokens` (its resize rule, patch and merge sizes, with the settings its call
+        would merge, the tokenizer's init kwargs included) gives it, and the processor tokenizes the
+        prompt with each <|image_pad|> repeated that many times. Done the same way, without resizing and
+        normalizing pixels (~4 ms of the router's ~6 ms per one-image request).
+        None (use the processor) when the joined prompt holds other image or video tokens than the
+        placeholders (the processor decides, or refuses), or when the processor does not resize."""
+        text = self.build_prompt(parts)
+        token, video = self.processor.image_token, getattr(self.processor, "video_token", None)
+        if text.count(token) != len(images) or (video and video in text):
             return None
-        sizes = [(image.height, image.width) for image in images]
-        counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"] if images else []
-        token, placeholders = self.processor.image_token, iter(counts)
-        text = "".join(self.image_placeholder().replace(token, token * next(placeholders)) if p is None else p
-                       for p in parts)
-        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return ids, [int(c) for c in counts]
+        if getattr(self.processor.image_processor, "do_resize", True) is False:
+            return None
+        counts = []
+        if images:
+            counts = self.processor._get_num_multimodal_tokens(
+                image_sizes=[(image.height, image.width) for image in images],
+                tokenizer_init_kwargs=self.tokenizer.init_kwargs,
+            )["num_image_tokens"]
+        pieces = text.split(token)  # one more piece than images: the placeholders are the only tokens
+        expanded = pieces[0] + "".join(token * int(n) + piece for n, piece in zip(counts, pieces[1:]))
+        ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
+        return ids, [int(n) for n in counts]
 
 
 @register
