@@ -115,11 +115,14 @@ class DecodeMirror:
         come and go must not resize it every few steps."""
         have_rows, have_cap = self.shape
         need_cap = (longest // _POSITION_ALIGN + 1) * _POSITION_ALIGN
-        if longest >= have_cap or have_cap > 4 * need_cap:
-            grown = -(-max(need_cap, have_cap + have_cap // 2) // _POSITION_ALIGN) * _POSITION_ALIGN
-            have_cap = grown if longest >= have_cap else need_cap
-        if rows > have_rows or have_rows > 2 * rows + 2 * _ROW_SLACK:
-            have_rows = max(rows + _ROW_SLACK, have_rows + have_rows // 2) if rows > have_rows else rows + _ROW_SLACK
+        if longest >= have_cap:  # grow by half at least, aligned
+            have_cap = -(-max(need_cap, have_cap + have_cap // 2) // _POSITION_ALIGN) * _POSITION_ALIGN
+        elif have_cap > 4 * need_cap:
+            have_cap = need_cap
+        if rows > have_rows:
+            have_rows = max(rows + _ROW_SLACK, have_rows + have_rows // 2)
+        elif have_rows > 2 * rows + 2 * _ROW_SLACK:
+            have_rows = rows + _ROW_SLACK
         return have_rows, have_cap
 
     def _assign_rows(self, keys: list[int]) -> list[tuple[int, int]]:
