@@ -288,6 +288,7 @@ def summarize(spec: WorkloadSpec, items: list[WorkItem], serving: ServingResult,
             "itl_s": percentiles(itl),
             "calls": serving.calls,
             "time_split": time_split(serving),
+            "cpu_s": serving.cpu_s,  # shard and router (this process: token counting included)
             "profile": serving.profile,
         },
     }

@@ -12,9 +12,9 @@ the architecture adapter through the shard's own intake functions:
 Where the architecture can give the expanded ids from image sizes alone (`VlmPrompt.expanded_ids`:
 Qwen2-VL and Qwen2.5-VL), both skip the image processor's pixel work: images are still decoded and
 checked (the same refusals), spans located and truncated by the shard's functions. The router runs
-beside the shard on the same cores; its processor work (~4 ms per image) cost the shard's forward
-about 5% of a bench run's throughput (benchmarks/results/cpu-profile.md). `fast_count=False` keeps
-the processor (tests compare the two).
+beside the shard on the same cores: the shortcut cuts its CPU per bench run by about a fifth
+(benchmarks/router_counting.py; the throughput effect is within noise). `fast_count=False` keeps
+the processor (tests and that benchmark compare the two).
 """
 
 from __future__ import annotations
