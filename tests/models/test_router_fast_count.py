@@ -52,7 +52,7 @@ def test_the_shortcut_equals_the_processor_over_sizes_and_layouts(counters):
         first = png_bytes(make_test_image(w, h, seed=k))
         second = png_bytes(make_test_image(h, w, seed=1000 + k))
         for j, chunks in enumerate(layouts(first, second)):
-            request = make_request(k, *chunks, add_special_tokens=(k + j) % 2 == 0)
+            request = make_request(k, *chunks)
             want = outcome(slow, request)
             assert outcome(fast, request) == want, (w, h, j)
             refused += want[0] == "refused"
