@@ -34,6 +34,22 @@ def test_router_shaped_warmup_succeeds(engine):
     assert supported == engine.kv_cache.num_blocks * engine.config.block_size
 
 
+def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, monkeypatch):
+    """After the warmup batch (which packs what it uses), oneDNN's kernels for every row bucket up to the
+    prefill budget are built (layers/cpu.py `prime_packed_kernels`), not left to the first serving steps."""
+    import tgi_vlm.models.warmup as warmup_module
+    from tgi_vlm.layers.cpu import packed_products, row_buckets
+
+    primed = []
+    real = warmup_module.prime_packed_kernels
+    monkeypatch.setattr(warmup_module, "prime_packed_kernels",
+                        lambda model, rows: primed.append((model, rows, real(model, rows))) or primed[-1][2])
+    engine.warmup(router_warmup())
+    products = packed_products(engine.model)
+    assert products  # the warmup batch packed the weights it used
+    assert primed == [(engine.model, 80, (len(products) * len(row_buckets(80)), row_buckets(80)[-1]))]
+
+
 def bad_image_cases():
     corrupt = png_bytes(make_test_image(30, 30))[:60]
     return {

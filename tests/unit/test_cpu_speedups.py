@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +51,21 @@ def test_patch_conv_as_matmul_matches_the_convolution():
     # an input larger than one kernel still convolves (and exactly as before)
     big = torch.randn(1, 3, 2, 28, 28, dtype=torch.bfloat16)
     torch.testing.assert_close(conv(big), conv._conv_forward(big, conv.weight, conv.bias), rtol=0, atol=0)
+
+
+def test_patch_conv_multiplies_with_a_packed_weight_and_padded_rows():
+    """The patch count changes with every image: the product goes through the packed, row-padded path (one
+    oneDNN kernel per row bucket, not per count) and equals the plain matmul of the previous path exactly."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 32, kernel_size=(2, 14, 14), stride=(2, 14, 14)).to(torch.bfloat16)
+    weight, bias = conv.weight.detach().reshape(32, -1).clone(), conv.bias.detach().clone()
+    assert cpu.convs_as_linear(torch.nn.Sequential(conv)) == 1
+    for patches in (1, 7, 33, 100, 257):
+        x = torch.randn(patches, 3, 2, 14, 14, dtype=torch.bfloat16)
+        expected = F.linear(x.reshape(patches, -1), weight, bias).view(patches, 32, 1, 1, 1)
+        torch.testing.assert_close(conv(x), expected, rtol=0, atol=0)
+    assert isinstance(vars(conv)["_packed_weight"], cpu.PackedWeight)
+    assert conv.weight.shape == (32, 3, 2, 14, 14)  # kept for inputs larger than one kernel
 
 
 def test_convs_with_padding_or_overlap_are_not_touched():
@@ -126,3 +143,58 @@ def test_shared_and_float16_weights_are_not_packed():
     head.weight = embed.weight  # tied, as many lm-heads are
     fp16 = torch.nn.Linear(8, 8).to(torch.float16)  # no fast oneDNN float16 path on most CPUs
     assert cpu.pack_linear_weights(torch.nn.ModuleDict({"embed": embed, "head": head, "fp16": fp16})) == 0
+
+
+def test_row_buckets_lists_every_padded_row_count_once():
+    assert cpu.row_buckets(40) == list(range(1, 33)) + [64]
+    buckets = cpu.row_buckets(2048)
+    assert buckets == sorted({cpu.row_bucket(n) for n in range(1, 2049)})
+    assert buckets[-1] == 2048
+
+
+def _two_layer_model() -> torch.nn.Module:
+    from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(32, 16).to(torch.bfloat16) for _ in range(3))
+            self.o_proj = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+
+    model = torch.nn.Sequential(Attention(), Attention())
+    cpu.pack_linear_weights(model)
+    fuse_sibling_projections(model)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    for attention in model:  # packing is lazy: first use
+        attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        attention.o_proj(torch.randn(3, 16, dtype=torch.bfloat16))
+    return model
+
+
+def test_packed_products_lists_each_product_shape_once():
+    """Two layers of the same shapes: one fused q/k/v product (with bias) and one o_proj product (without)."""
+    shapes = sorted((w.in_features, w.out_features, b is not None) for w, b in cpu.packed_products(_two_layer_model()))
+    assert shapes == [(16, 32, False), (32, 48, True)]
+
+
+def test_priming_runs_every_shape_at_every_bucket_and_stops_at_its_budget(monkeypatch):
+    model = _two_layer_model()
+    seen = []
+    original = cpu.PackedWeight.__call__
+    monkeypatch.setattr(cpu.PackedWeight, "__call__", lambda self, x, bias: seen.append((self.out_features, x.shape[0])) or original(self, x, bias))
+    assert cpu.prime_packed_kernels(model, 40) == (2 * 33, 64)
+    assert sorted(seen) == sorted((out, rows) for out in (32, 48) for rows in cpu.row_buckets(40))
+    seen.clear()
+    clock = iter(range(100))  # one second per reading: the start, then one before each bucket
+    monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock))
+    assert cpu.prime_packed_kernels(model, 2048, budget_s=2.5) == (4, 2)
+    assert sorted(seen) == [(32, 1), (32, 2), (48, 1), (48, 2)]
+
+
+def test_kernel_cache_size_is_raised_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    cpu.size_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(cpu.KERNEL_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "77")
+    cpu.size_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "77"

@@ -29,7 +29,8 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   the whole patch (stride = kernel), called on `[patches, C, T, P, P]`: one output position per
   patch, i.e. a matrix product. As a convolution it is ~30x slower on CPU than the same product
   as a matmul. `convs_as_linear` computes exactly that product when the input is one kernel
-  large, and falls back to the convolution otherwise.
+  large (with a packed weight and padded rows, as the linears), and falls back to the convolution
+  otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import collections
 import ctypes
 import ctypes.util
 import os
+import time
 import types
 
 import torch
@@ -48,6 +50,8 @@ from loguru import logger
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 1 << 30  # allocations up to 1 GiB come from the heap; up to 1 GiB of free heap is kept
+KERNEL_CACHE_CAPACITY = 4096  # oneDNN kernels kept (its default: 1024)
+PRIME_BUDGET_S = 3.0  # warmup time for building kernels ahead (the bench model: 1.8 s bf16, 2.8 s fp32 for all)
 
 _tuned = False
 # Row bucketing through F.linear and the convolution rewrite are for reduced precision only: a
@@ -77,6 +81,16 @@ def tune_allocator() -> bool:
     _tuned = ok
     logger.info("allocator: large CPU temporaries {} reused from the heap", "are" if ok else "cannot be (no glibc)")
     return ok
+
+
+def size_kernel_cache() -> None:
+    """Let oneDNN keep every kernel the packed products need (`prime_packed_kernels` builds them at warmup).
+
+    Its primitive cache holds 1024 kernels by default; priming the bench model's 12 product shapes over 63
+    row buckets needs more (a second priming pass took as long as the first: evicted), and an evicted kernel
+    is rebuilt at ~2 ms on the next step that needs it. oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once,
+    when it first builds a kernel, so this must run before any forward; a value the user set is kept."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 
 
 def row_bucket(rows: int) -> int:
@@ -122,6 +136,12 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor, *, keep_one_row: bool):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         self.one_row = weight if keep_one_row and weight.dtype == torch.float32 else None
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+
+    def key(self, bias: torch.Tensor | None) -> tuple:
+        """What oneDNN keys its kernel on, besides the rows."""
+        return self.in_features, self.out_features, self.dtype, bias is not None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x `[..., in]` -> `[..., out]`."""
@@ -148,6 +168,51 @@ def _pack(module: torch.nn.Linear) -> PackedWeight:
     if weight.one_row is None:
         module.weight.data = module.weight.data.new_empty(0)
     return weight
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every padded row count `row_bucket` gives for 1..max_rows, ascending."""
+    buckets, rows = [], 1
+    while rows <= max_rows:
+        bucket = row_bucket(rows)
+        buckets.append(bucket)
+        rows = bucket + 1
+    return buckets
+
+
+def packed_products(model: torch.nn.Module) -> list[tuple[PackedWeight, torch.Tensor | None]]:
+    """The packed weights (with their bias) `model`'s linears, fused groups and patch convolutions have
+    made so far, one per distinct (in, out, dtype, bias or not): what a oneDNN kernel is built for."""
+    from tgi_vlm.layers.cpu_fused import fused_groups
+
+    found: dict[tuple, tuple[PackedWeight, torch.Tensor | None]] = {}
+    candidates = [(m.__dict__.get("_packed_weight"), getattr(m, "bias", None)) for m in model.modules()]
+    candidates += [(group.weight, group.bias) for group in fused_groups(model)]
+    for weight, bias in candidates:
+        if isinstance(weight, PackedWeight):
+            found.setdefault(weight.key(bias), (weight, bias))
+    return list(found.values())
+
+
+def prime_packed_kernels(model: torch.nn.Module, max_rows: int, budget_s: float = PRIME_BUDGET_S) -> tuple[int, int]:
+    """Build, now, oneDNN's kernel for each row bucket up to `max_rows` of every packed product shape.
+
+    oneDNN builds (JIT-compiles) a kernel for each row count a product meets, ~2 ms each here; a serving run
+    meets a new bucket in most of its early prefill steps (each step's token count, each image's patch
+    count), and warmup's one batch meets only its own. Run at warmup, on the model thread, after the
+    warmup batch (which packs the weights it uses). Smallest buckets first, while `budget_s` lasts: a
+    large model's big products cost far more than their kernel's build, so leaving them to build on first
+    use loses nothing. Returns (products run, largest bucket primed for every shape)."""
+    products, start, count, done = packed_products(model), time.perf_counter(), 0, 0
+    with torch.inference_mode():
+        for rows in row_buckets(max_rows):
+            if time.perf_counter() - start > budget_s:
+                break
+            for weight, bias in products:
+                weight(torch.zeros(rows, weight.in_features, dtype=weight.dtype), bias)
+                count += 1
+            done = rows
+    return count, done
 
 
 def keep_one_row_copies(model: torch.nn.Module) -> bool:
@@ -180,7 +245,7 @@ def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -
     embeddings is left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per
     call. Rows are padded as `bucket_linear_rows` does (oneDNN builds a kernel per row count in either
     dtype). `keep_one_row`: float32 ones keep the plain weight too (`PackedWeight`). Returns the count."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not can_pack_weights():
         return 0
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
     count = 0
@@ -195,8 +260,21 @@ def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -
 def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if tuple(x.shape[2:]) != tuple(self.kernel_size):
         return self._conv_forward(x, self.weight, self.bias)
-    out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
+    patches = x.reshape(x.shape[0], -1)
+    weight = self.__dict__.get("_packed_weight")
+    if weight is None and self.weight.dtype in PACKED_DTYPES and can_pack_weights():
+        # Packed, and rows padded like the linears: the row count is the image's patch count, new for
+        # almost every image, and oneDNN builds a kernel per row count (4.8 vs 0.5 ms for a product
+        # whose row count it has seen). The plain weight stays for inputs larger than one kernel.
+        weight = self.__dict__["_packed_weight"] = PackedWeight(self.weight.detach().reshape(self.out_channels, -1),
+                                                                keep_one_row=False)
+    out = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias) if weight is None else weight(patches, self.bias)
     return out.view(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
+
+
+def can_pack_weights() -> bool:
+    """Whether this torch build has oneDNN's weight prepacking (`PackedWeight`)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def convs_as_linear(model: torch.nn.Module) -> int:
@@ -229,6 +307,7 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
     from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
 
     tune_allocator()
+    size_kernel_cache()
     convs = convs_as_linear(model)
     linears = 0 if sharded else bucket_linear_rows(model)
     keep_one_row = keep_one_row_copies(model)

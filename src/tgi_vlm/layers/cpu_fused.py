@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from tgi_vlm.layers.cpu import PACKED_DTYPES, PackedWeight
+from tgi_vlm.layers.cpu import PACKED_DTYPES, PackedWeight, can_pack_weights
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _GROUPS_ATTR = "_tgi_vlm_fused_projections"  # on the owning module: {member names: FusedProjections}
@@ -94,7 +94,7 @@ def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: b
     """Give every q/k/v and gate/up group of `language_model` one fused, packed product (see above).
     Weights another module shares are left alone. `keep_one_row`: as `pack_linear_weights`. Returns
     the number of groups fused."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not can_pack_weights():
         return 0
     owners: dict[int, int] = {}
     for module in language_model.modules():
@@ -120,3 +120,8 @@ def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: b
 def fused_group(module: torch.nn.Module, names: tuple[str, ...]) -> FusedProjections | None:
     """The group `fuse_sibling_projections` made of `module`'s `names` projections, if it did."""
     return module.__dict__.get(_GROUPS_ATTR, {}).get(names)
+
+
+def fused_groups(model: torch.nn.Module) -> list[FusedProjections]:
+    """Every group `fuse_sibling_projections` made inside `model`."""
+    return [group for module in model.modules() for group in module.__dict__.get(_GROUPS_ATTR, {}).values()]
