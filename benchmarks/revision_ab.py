@@ -71,18 +71,20 @@ def main() -> None:
     head = git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     base = git("rev-parse", "--short", a.base)
     with tempfile.TemporaryDirectory(prefix="tgi-vlm-ab-") as tmp:
-        sides = {"base": checkout(a.base, Path(tmp) / "base"), "this": REPO / "src"}
         try:
+            sides = {"base": checkout(a.base, Path(tmp) / "base"), "this": REPO / "src"}
             runs = []
             for pair in range(a.pairs):
                 order = ("base", "this") if pair % 2 == 0 else ("this", "base")
                 result = {side: serve_once(model, items, spec, a.dtype, sides[side]) for side in order}
+                result["first"] = order[0]
                 result["same_outputs"] = result["base"].pop("outputs") == result["this"].pop("outputs")
                 runs.append(result)
                 print(f"pair {pair + 1}: base {result['base']['out_tok_per_s']:.1f}, this {result['this']['out_tok_per_s']:.1f} "
                       f"out tok/s (ratio {result['this']['out_tok_per_s'] / result['base']['out_tok_per_s']:.3f})", flush=True)
-        finally:
-            git("worktree", "remove", "--force", str(Path(tmp) / "base"))
+        finally:  # never hide the error that got us here
+            subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")], cwd=REPO, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base": base, "this": head,
               "dtype": a.dtype, "load_average": os.getloadavg(), "workload": spec.to_dict(), "pairs": runs}
     RESULTS.mkdir(exist_ok=True)
@@ -96,14 +98,16 @@ def markdown(report: dict) -> str:
     lines = [f"# Shard {report['this']} vs {report['base']} — {report['date']}", "",
              f"`tgi-vlm bench`'s workload (64 requests, 16 in flight, bench Qwen2-VL, {report['dtype']}), the two shards "
              f"served alternately (`benchmarks/revision_ab.py`); load average at the end {report['load_average'][0]:.1f}.", "",
-             "| pair | base out tok/s | this out tok/s | ratio | prefill RPCs s (base / this) | decode RPCs s | same tokens |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+             "| pair | first | base out tok/s | this out tok/s | ratio | prefill RPCs s (base / this) | decode RPCs s | same tokens |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
     for i, (r, ratio) in enumerate(zip(report["pairs"], ratios), 1):
         b, t = r["base"], r["this"]
-        lines.append(f"| {i} | {b['out_tok_per_s']:.1f} | {t['out_tok_per_s']:.1f} | {ratio:.3f} | "
+        lines.append(f"| {i} | {r.get('first', '?')} | {b['out_tok_per_s']:.1f} | {t['out_tok_per_s']:.1f} | {ratio:.3f} | "
                      f"{b['prefill_rpc_s']:.2f} / {t['prefill_rpc_s']:.2f} | {b['decode_rpc_s']:.2f} / {t['decode_rpc_s']:.2f} | "
                      f"{'yes' if r['same_outputs'] else 'no'} |")
-    lines += ["", f"Median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})."]
+    lines += ["", f"Median ratio {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}). The first run "
+              "of a pair is the shard started first; \"same tokens\" compares every request's tokens (bf16 tokens can "
+              "differ with the batch a request shared a step with, so a bf16 \"no\" does not by itself mean a change)."]
     return "\n".join(lines) + "\n"
 
 

@@ -42,12 +42,13 @@ def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, mo
 
     primed = []
     real = warmup_module.prime_packed_kernels
-    monkeypatch.setattr(warmup_module, "prime_packed_kernels",
-                        lambda model, rows: primed.append((model, rows, real(model, rows))) or primed[-1][2])
+    monkeypatch.setattr(warmup_module, "prime_packed_kernels", lambda model, rows, **kw: primed.append(
+        (model, rows, kw["row_caps"], real(model, rows, **kw))) or primed[-1][3])
     engine.warmup(router_warmup())
     products = packed_products(engine.model)
     assert products  # the warmup batch packed the weights it used
-    assert primed == [(engine.model, 80, (len(products) * len(row_buckets(80)), row_buckets(80)[-1]))]
+    caps = {engine.lm_head: 256} if engine.lm_head is not None else {}
+    assert primed == [(engine.model, 80, caps, (len(products) * len(row_buckets(80)), row_buckets(80)[-1]))]
 
 
 def bad_image_cases():

@@ -53,19 +53,34 @@ def test_patch_conv_as_matmul_matches_the_convolution():
     torch.testing.assert_close(conv(big), conv._conv_forward(big, conv.weight, conv.bias), rtol=0, atol=0)
 
 
-def test_patch_conv_multiplies_with_a_packed_weight_and_padded_rows():
-    """The patch count changes with every image: the product goes through the packed, row-padded path (one
-    oneDNN kernel per row bucket, not per count) and equals the plain matmul of the previous path exactly."""
+def test_patch_conv_multiplies_with_a_packed_weight():
+    """The patch count changes with every image: the product goes through `PackedWeight` (padded rows, one oneDNN
+    kernel per row bucket rather than per count); bf16 sums may round apart from the unpadded product by an ulp."""
     torch.manual_seed(0)
     conv = torch.nn.Conv3d(3, 32, kernel_size=(2, 14, 14), stride=(2, 14, 14)).to(torch.bfloat16)
     weight, bias = conv.weight.detach().reshape(32, -1).clone(), conv.bias.detach().clone()
+    direct = cpu.PackedWeight(weight, keep_one_row=False)
     assert cpu.convs_as_linear(torch.nn.Sequential(conv)) == 1
-    for patches in (1, 7, 33, 100, 257):
+    for patches in (1, 7, 33, 100, 257, 1030):
         x = torch.randn(patches, 3, 2, 14, 14, dtype=torch.bfloat16)
-        expected = F.linear(x.reshape(patches, -1), weight, bias).view(patches, 32, 1, 1, 1)
-        torch.testing.assert_close(conv(x), expected, rtol=0, atol=0)
+        got = conv(x)
+        torch.testing.assert_close(got, direct(x.reshape(patches, -1), bias).view(patches, 32, 1, 1, 1), rtol=0, atol=0)
+        torch.testing.assert_close(got.float(), F.linear(x.reshape(patches, -1), weight, bias).view(patches, 32, 1, 1, 1).float(),
+                                   rtol=1.6e-2, atol=1e-2)
     assert isinstance(vars(conv)["_packed_weight"], cpu.PackedWeight)
     assert conv.weight.shape == (32, 3, 2, 14, 14)  # kept for inputs larger than one kernel
+
+
+def test_patch_conv_of_a_sharded_model_keeps_the_plain_matmul():
+    """`speed_up_for_cpu(sharded=True)` packs nothing (tensor-parallel plans hook the modules): the patch
+    product stays F.linear on the plain weight, exactly."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(3, 16, kernel_size=(2, 14, 14), stride=(2, 14, 14)).to(torch.bfloat16)
+    assert cpu.convs_as_linear(torch.nn.Sequential(conv), pack=False) == 1
+    x = torch.randn(37, 3, 2, 14, 14, dtype=torch.bfloat16)
+    expected = F.linear(x.reshape(37, -1), conv.weight.reshape(16, -1), conv.bias).view(37, 16, 1, 1, 1)
+    torch.testing.assert_close(conv(x), expected, rtol=0, atol=0)
+    assert "_packed_weight" not in vars(conv)
 
 
 def test_convs_with_padding_or_overlap_are_not_touched():
@@ -173,8 +188,9 @@ def _two_layer_model() -> torch.nn.Module:
 
 def test_packed_products_lists_each_product_shape_once():
     """Two layers of the same shapes: one fused q/k/v product (with bias) and one o_proj product (without)."""
-    shapes = sorted((w.in_features, w.out_features, b is not None) for w, b in cpu.packed_products(_two_layer_model()))
-    assert shapes == [(16, 32, False), (32, 48, True)]
+    products = cpu.packed_products(_two_layer_model())
+    assert sorted((w.in_features, w.out_features, b is not None, cap) for w, b, cap in products) == [
+        (16, 32, False, None), (32, 48, True, None)]
 
 
 def test_priming_runs_every_shape_at_every_bucket_and_stops_at_its_budget(monkeypatch):
@@ -186,13 +202,28 @@ def test_priming_runs_every_shape_at_every_bucket_and_stops_at_its_budget(monkey
     assert sorted(seen) == sorted((out, rows) for out in (32, 48) for rows in cpu.row_buckets(40))
     seen.clear()
     clock = iter(range(100))  # one second per reading: the start, then one before each bucket
-    monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock))
-    assert cpu.prime_packed_kernels(model, 2048, budget_s=2.5) == (4, 2)
+    assert cpu.prime_packed_kernels(model, 2048, budget_s=2.5, clock=lambda: next(clock)) == (4, 2)
     assert sorted(seen) == [(32, 1), (32, 2), (48, 1), (48, 2)]
 
 
+def test_priming_stops_a_capped_module_at_its_rows(monkeypatch):
+    """The lm-head meets at most a logprob chunk of rows: its product is not run at larger buckets."""
+    model = _two_layer_model()
+    seen = []
+    original = cpu.PackedWeight.__call__
+    monkeypatch.setattr(cpu.PackedWeight, "__call__", lambda self, x, bias: seen.append((self.out_features, x.shape[0])) or original(self, x, bias))
+    count, largest = cpu.prime_packed_kernels(model, 100, row_caps={model[0].o_proj: 5, model[1].o_proj: 5})
+    assert largest == 128 and count == len(cpu.row_buckets(100)) + 5
+    assert sorted(rows for out, rows in seen if out == 32) == [1, 2, 3, 4, 5]
+
+
+def test_priming_with_nothing_packed_runs_nothing():
+    assert cpu.prime_packed_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2048) == (0, 0)
+
+
 def test_kernel_cache_size_is_raised_unless_the_user_set_it(monkeypatch):
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")  # restored to its state before the test afterwards
     cpu.size_kernel_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(cpu.KERNEL_CACHE_CAPACITY)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "77")

@@ -41,6 +41,7 @@ import ctypes.util
 import os
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,12 +85,14 @@ def tune_allocator() -> bool:
 
 
 def size_kernel_cache() -> None:
-    """Let oneDNN keep every kernel the packed products need (`prime_packed_kernels` builds them at warmup).
+    """Let oneDNN keep the kernels the packed products need (`prime_packed_kernels` builds them at warmup).
 
-    Its primitive cache holds 1024 kernels by default; priming the bench model's 12 product shapes over 63
-    row buckets needs more (a second priming pass took as long as the first: evicted), and an evicted kernel
-    is rebuilt at ~2 ms on the next step that needs it. oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once,
-    when it first builds a kernel, so this must run before any forward; a value the user set is kept."""
+    Its primitive cache holds 1024 kernels by default. Priming the bench model (756 products: 12 shapes x 63
+    row buckets) with that default, a second pass took as long as the first (1.8 s): its kernels had been
+    evicted, so a product takes more than one entry or other kernels compete for them; with 4096 entries the
+    second pass took 0.41 s (the products alone). An evicted kernel is rebuilt, ~2 ms, by the next step that
+    needs it. oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, when it first builds a kernel, so this runs
+    before the first forward (`speed_up_for_cpu`); a value the user set is kept."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 
 
@@ -180,37 +183,46 @@ def row_buckets(max_rows: int) -> list[int]:
     return buckets
 
 
-def packed_products(model: torch.nn.Module) -> list[tuple[PackedWeight, torch.Tensor | None]]:
-    """The packed weights (with their bias) `model`'s linears, fused groups and patch convolutions have
-    made so far, one per distinct (in, out, dtype, bias or not): what a oneDNN kernel is built for."""
+def packed_products(model: torch.nn.Module, row_caps: dict[torch.nn.Module, int] | None = None,
+                    ) -> list[tuple[PackedWeight, torch.Tensor | None, int | None]]:
+    """The packed weights (with their bias) that `model`'s linears, fused groups and patch convolutions have
+    made so far, one per distinct (in, out, dtype, bias or not): what a oneDNN kernel is built for. The third
+    item is the most rows that product meets, for modules in `row_caps` (None: any)."""
     from tgi_vlm.layers.cpu_fused import fused_groups
 
-    found: dict[tuple, tuple[PackedWeight, torch.Tensor | None]] = {}
-    candidates = [(m.__dict__.get("_packed_weight"), getattr(m, "bias", None)) for m in model.modules()]
-    candidates += [(group.weight, group.bias) for group in fused_groups(model)]
-    for weight, bias in candidates:
+    row_caps = row_caps or {}
+    found: dict[tuple, tuple[PackedWeight, torch.Tensor | None, int | None]] = {}
+    candidates = [(m.__dict__.get("_packed_weight"), getattr(m, "bias", None), row_caps.get(m)) for m in model.modules()]
+    candidates += [(group.weight, group.bias, None) for group in fused_groups(model)]
+    for weight, bias, cap in candidates:
         if isinstance(weight, PackedWeight):
-            found.setdefault(weight.key(bias), (weight, bias))
+            key = weight.key(bias)
+            if key not in found or (found[key][2] is not None and (cap is None or cap > found[key][2])):
+                found[key] = (weight, bias, cap)  # a shape shared by a capped and an uncapped module: uncapped
     return list(found.values())
 
 
-def prime_packed_kernels(model: torch.nn.Module, max_rows: int, budget_s: float = PRIME_BUDGET_S) -> tuple[int, int]:
+def prime_packed_kernels(model: torch.nn.Module, max_rows: int, *, row_caps: dict[torch.nn.Module, int] | None = None,
+                         budget_s: float = PRIME_BUDGET_S, clock: Callable[[], float] = time.perf_counter,
+                         ) -> tuple[int, int]:
     """Build, now, oneDNN's kernel for each row bucket up to `max_rows` of every packed product shape.
 
     oneDNN builds (JIT-compiles) a kernel for each row count a product meets, ~2 ms each here; a serving run
     meets a new bucket in most of its early prefill steps (each step's token count, each image's patch
     count), and warmup's one batch meets only its own. Run at warmup, on the model thread, after the
-    warmup batch (which packs the weights it uses). Smallest buckets first, while `budget_s` lasts: a
-    large model's big products cost far more than their kernel's build, so leaving them to build on first
-    use loses nothing. Returns (products run, largest bucket primed for every shape)."""
-    products, start, count, done = packed_products(model), time.perf_counter(), 0, 0
+    warmup batch (which packs the weights it uses). Smallest buckets first, while `budget_s` lasts (checked
+    before each bucket): a large model's big products cost far more than their kernel's build, so leaving
+    them to build on first use loses nothing. `row_caps`: modules that never see more rows than this (the
+    lm-head: one row per sequence, or logprob chunks). Returns (products run, largest bucket primed)."""
+    products, start, count, done = packed_products(model, row_caps), clock(), 0, 0
     with torch.inference_mode():
-        for rows in row_buckets(max_rows):
-            if time.perf_counter() - start > budget_s:
+        for rows in row_buckets(max_rows) if products else ():
+            if clock() - start > budget_s:
                 break
-            for weight, bias in products:
-                weight(torch.zeros(rows, weight.in_features, dtype=weight.dtype), bias)
-                count += 1
+            for weight, bias, cap in products:
+                if cap is None or rows <= row_bucket(cap):
+                    weight(torch.zeros(rows, weight.in_features, dtype=weight.dtype), bias)
+                    count += 1
             done = rows
     return count, done
 
@@ -262,13 +274,17 @@ def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Te
         return self._conv_forward(x, self.weight, self.bias)
     patches = x.reshape(x.shape[0], -1)
     weight = self.__dict__.get("_packed_weight")
-    if weight is None and self.weight.dtype in PACKED_DTYPES and can_pack_weights():
-        # Packed, and rows padded like the linears: the row count is the image's patch count, new for
-        # almost every image, and oneDNN builds a kernel per row count (4.8 vs 0.5 ms for a product
-        # whose row count it has seen). The plain weight stays for inputs larger than one kernel.
+    if weight is None and self.__dict__.get("_pack_patches"):
+        # Packed, rows padded like the linears: the row count is the image's patch count, new for almost
+        # every image, and oneDNN builds a kernel per row count (an unpadded product at a count it had not
+        # met: 4.8 vs 0.5 ms). Made on first use, on the model thread; the plain weight stays for inputs
+        # larger than one kernel. bf16 sums may round differently from the unpadded product (one ulp).
         weight = self.__dict__["_packed_weight"] = PackedWeight(self.weight.detach().reshape(self.out_channels, -1),
                                                                 keep_one_row=False)
-    out = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias) if weight is None else weight(patches, self.bias)
+    if weight is None:
+        out = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
+    else:
+        out = weight(patches, self.bias)
     return out.view(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
 
 
@@ -277,9 +293,10 @@ def can_pack_weights() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def convs_as_linear(model: torch.nn.Module) -> int:
+def convs_as_linear(model: torch.nn.Module, *, pack: bool = True) -> int:
     """Reduced-precision patch-embedding convolutions (stride = kernel, no padding, no groups/dilation) compute a
-    matmul when their input is exactly one kernel; give them that path. Returns the count."""
+    matmul when their input is exactly one kernel; give them that path (through a packed weight when `pack`
+    and the dtype allows). Returns the count."""
     count = 0
     for module in model.modules():
         if type(module) not in (torch.nn.Conv2d, torch.nn.Conv3d) or module.weight.dtype not in _REDUCED:
@@ -288,6 +305,7 @@ def convs_as_linear(model: torch.nn.Module) -> int:
                 or any(d != 1 for d in module.dilation) or module.padding_mode != "zeros"):
             continue
         module.forward = types.MethodType(_conv_as_linear_forward, module)
+        module.__dict__["_pack_patches"] = pack and module.weight.dtype in PACKED_DTYPES and can_pack_weights()
         count += 1
     return count
 
@@ -308,7 +326,7 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
 
     tune_allocator()
     size_kernel_cache()
-    convs = convs_as_linear(model)
+    convs = convs_as_linear(model, pack=not sharded)
     linears = 0 if sharded else bucket_linear_rows(model)
     keep_one_row = keep_one_row_copies(model)
     packed = 0 if sharded else pack_linear_weights(model, keep_one_row=keep_one_row)

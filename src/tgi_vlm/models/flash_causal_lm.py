@@ -41,6 +41,8 @@ from tgi_vlm.pb import generate_pb2
 DEFAULT_PREFILL_BUDGET = 4096  # until Warmup tells us the router's max_prefill_tokens
 LIVENESS_BATCH_ID = 2**64 - 1  # TGI's health-check prefill writes to block 0
 
+LOGPROB_CHUNK_ROWS = 256  # prompt rows whose logits are computed at once for prefill logprobs
+
 
 class FlashCausalLMBatch:
     """The requests of one cached batch. Contract: from_pb / filter / concatenate / to_pb / len."""
@@ -342,7 +344,8 @@ class FlashCausalLM(ShardModel):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def record_prefill_logprobs(self, step: StepInputs, hidden: torch.Tensor, rows_per_chunk: int = 256) -> None:
+    def record_prefill_logprobs(self, step: StepInputs, hidden: torch.Tensor,
+                                rows_per_chunk: int = LOGPROB_CHUNK_ROWS) -> None:
         """Accumulate the logprobs of the prompt tokens this step's windows predict (before `advance`)."""
         for w in step.windows:
             seq = w.seq

@@ -14,9 +14,10 @@ import torch
 from loguru import logger
 
 from tgi_vlm.blocks import blocks_needed
-from tgi_vlm.layers.cpu import prime_packed_kernels
 from tgi_vlm.errors import InvalidArgument
+from tgi_vlm.layers.cpu import prime_packed_kernels
 from tgi_vlm.models.cuda_graphs import setup_decode_graphs
+from tgi_vlm.models.flash_causal_lm import LOGPROB_CHUNK_ROWS
 from tgi_vlm.pb import generate_pb2
 
 
@@ -28,9 +29,12 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
         # After the warmup batch (which packed the weights it used): oneDNN's kernels for every row count
         # a prefill step up to the budget can bring, built now rather than in the first serving steps.
         start = time.perf_counter()
-        products, rows = prime_packed_kernels(model.model, max(max_prefill, 1))
-        logger.info("CPU: kernels for {} packed products (row buckets up to {}) built in {:.1f} s", products, rows,
-                    time.perf_counter() - start)
+        # the lm-head meets one row per sequence, or logprob chunks (FlashCausalLM.record_prefill_logprobs)
+        caps = {model.lm_head: LOGPROB_CHUNK_ROWS} if model.lm_head is not None else {}
+        products, rows = prime_packed_kernels(model.model, max(max_prefill, 1), row_caps=caps)
+        if products:
+            logger.info("CPU: kernels for {} packed products (row buckets up to {}) built in {:.1f} s", products,
+                        rows, time.perf_counter() - start)
     if model.device.type == "cuda":
         # Measure while the warmup's peak activations are still reserved by the caching allocator and
         # its temporary cache is still held (its blocks are added back), as TGI does.

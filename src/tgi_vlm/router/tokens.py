@@ -31,7 +31,6 @@ from tgi_vlm.models.intake import request_chunks, truncate_ids
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.prefix_hash import ImageRef
 
-
 # Probe images for `TokenCounter.shortcut_agrees` (width, height): small, odd, wide, tall, large.
 _PROBE_SIZES = ((28, 28), (41, 97), (300, 200), (448, 448), (1000, 37), (1600, 1200))
 
