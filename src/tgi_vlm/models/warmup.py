@@ -26,15 +26,7 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
     model.reset_limits()
     _run_warmup_batch(model, request.batch, max_prefill)
     if model.device.type == "cpu":
-        # After the warmup batch (which packed the weights it used): oneDNN's kernels for every row count
-        # a prefill step up to the budget can bring, built now rather than in the first serving steps.
-        start = time.perf_counter()
-        # the lm-head meets one row per sequence, or logprob chunks (FlashCausalLM.record_prefill_logprobs)
-        caps = {model.lm_head: LOGPROB_CHUNK_ROWS} if model.lm_head is not None else {}
-        products, rows = prime_packed_kernels(model.model, max(max_prefill, 1), row_caps=caps)
-        if products:
-            logger.info("CPU: kernels for {} packed products (row buckets up to {}) built in {:.1f} s", products,
-                        rows, time.perf_counter() - start)
+        _build_cpu_kernels(model, max_prefill)
     if model.device.type == "cuda":
         # Measure while the warmup's peak activations are still reserved by the caching allocator and
         # its temporary cache is still held (its blocks are added back), as TGI does.
@@ -58,6 +50,18 @@ def run_warmup(model, request: generate_pb2.WarmupRequest) -> tuple[int, int, in
     model.graphs = setup_decode_graphs(model, max_total)  # None unless on CUDA with CUDA_GRAPHS set
     logger.info("KV cache: {} blocks of {} tokens ({} tokens)", num_blocks, model.config.block_size, supported)
     return supported, max_input, max_total
+
+
+def _build_cpu_kernels(model, max_prefill: int) -> None:
+    """After the warmup batch (which packed the weights it used): oneDNN's kernels for every row count a
+    prefill step up to the budget can bring, built now rather than in the first serving steps."""
+    start = time.perf_counter()
+    # the lm-head meets one row per sequence, or logprob chunks (FlashCausalLM.record_prefill_logprobs)
+    caps = {model.lm_head: LOGPROB_CHUNK_ROWS} if model.lm_head is not None else {}
+    products, rows = prime_packed_kernels(model.model, max(max_prefill, 1), row_caps=caps)
+    if products:
+        logger.info("CPU: kernels for {} packed products (row buckets up to {}) built in {:.1f} s", products, rows,
+                    time.perf_counter() - start)
 
 
 def _run_warmup_batch(model, pb_batch: generate_pb2.Batch, max_prefill: int) -> None:

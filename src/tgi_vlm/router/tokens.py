@@ -169,9 +169,7 @@ class TokenCounter:
         if expanded is not None:
             return self._tokens_from_counts(request, *expanded, digests)
         ids, processed, spans = tokenize_images(self.prompt, request, parts, images, digests, warmup=False)
-        groups = self.prompt.bidirectional_groups(processed, ids, spans)
-        refs = [ImageRef(s.offset, s.length, s.content_hash) for s in spans]
-        return PromptTokens(ids, refs, None if groups is None else groups.tolist())
+        return self._prompt_tokens(ids, processed, spans)
 
     def _expanded(self, request: pb.Request, parts: list[str | None], images: list) -> tuple[list[int], list[int]] | None:
         """(ids, per-image token counts) without the image processor, or None: use it. Whatever the
@@ -193,7 +191,10 @@ class TokenCounter:
 
         spans = image_spans(request, self.prompt, ids, counts, digests)
         ids, _, spans = truncate_with_images(request, ids, {}, spans)
-        groups = self.prompt.bidirectional_groups({}, ids, spans)
+        return self._prompt_tokens(ids, {}, spans)
+
+    def _prompt_tokens(self, ids: list[int], processed: dict, spans: list) -> PromptTokens:
+        groups = self.prompt.bidirectional_groups(processed, ids, spans)
         refs = [ImageRef(s.offset, s.length, s.content_hash) for s in spans]
         return PromptTokens(ids, refs, None if groups is None else groups.tolist())
 
