@@ -87,10 +87,9 @@ def tune_allocator() -> bool:
 def size_kernel_cache() -> None:
     """Let oneDNN keep the kernels the packed products need (`prime_packed_kernels` builds them at warmup).
 
-    Its primitive cache holds 1024 kernels by default. Priming the bench model (756 products: 12 shapes x 63
-    row buckets) with that default, a second pass took as long as the first (1.8 s): its kernels had been
-    evicted, so a product takes more than one entry or other kernels compete for them; with 4096 entries the
-    second pass took 0.41 s (the products alone). An evicted kernel is rebuilt, ~2 ms, by the next step that
+    Its primitive cache holds 1024 kernels by default, fewer than priming the bench model builds: a building
+    pass after 64 image prefills took 1.44-1.52 s at 1024 (kernels evicted, rebuilt) and 0.36-0.44 s at 4096
+    (`benchmarks/kernel_priming.py`). An evicted kernel is rebuilt, ~2 ms, by the next step that
     needs it. oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, when it first builds a kernel, so this runs
     before the first forward (`speed_up_for_cpu`); a value the user set is kept."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
