@@ -4,7 +4,8 @@
 text around them and 8-48 new tokens (EOS ignored), on the ~100M-parameter Qwen2-VL-shaped bench
 model, float32 on CPU.
 
-- engine: `get_model(path, EngineConfig(device="cpu"))` driven like TGI's v3 router with
+- engine: `get_model(path, EngineConfig(device="cpu"))`, started with the router's Warmup (prefill budget
+  512; on CPU that also builds the kernels for every row count up to it), driven like TGI's v3 router with
   chunking (`tgi_vlm.testing.harness.Runner` plus `RouterQueue` below): all requests arrive at
   once; every loop admits whole requests while they fit the 512-token prefill budget the running
   batch leaves (the one that overflows gets `chunk_len`, the shard prefills its rest in later
@@ -47,6 +48,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationC
 
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.models import get_model
+from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 from tgi_vlm.testing.harness import Runner, make_request
 from tgi_vlm.testing.machine import machine
@@ -260,7 +262,8 @@ def profile_summary(profile: cProfile.Profile, top: int = 25) -> str:
 def bench(args) -> dict:
     path = tiny_model_path("qwen2_vl", size="bench")
     engine = get_model(str(path), EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=1 << 30))
-    engine.prefill_budget = PREFILL_BUDGET  # as if Warmup had reported the router's max_prefill_tokens
+    # as a shard starts: the router's Warmup with its prefill budget (which also builds the CPU kernels)
+    engine.warmup(warmup_request(PREFILL_BUDGET, PREFILL_BUDGET, 2048))
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     hf = HFRunner(model, AutoProcessor.from_pretrained(path), engine.adapter.prompt)  # the prompt half: layout only
     jobs = make_workload(8 if args.quick else 32, args.quick)
