@@ -5,6 +5,8 @@ Paths (each alone, everything else at its default):
 - `lean-layers`: layers/cpu_decoder.py's lean decoder-layer forward vs transformers' layer forward.
 - `causal-padding`: torch_backend.causal_attention (reduced-precision causal spans padded to 32 rows)
   vs the unpadded SDPA call.
+- `native-attention`: decode attention through the C kernel (layers/attention/native_decode.py) vs the
+  decode mirror and SDPA.
 
 Steps measured: decode of 13 sequences (prompts ~200-300 tokens, growing), then prefill steps where
 two new text prompts of 60-140 words join those 13 decoding rows (the shape of a serving step when
@@ -13,7 +15,7 @@ requests arrive). Medians after warm-up; each side's tokens are compared (they m
 
     PYTHONPATH=src .venv/bin/python benchmarks/cpu_paths.py [--dtype bfloat16|float32] [--path lean-layers]
 
-Writes benchmarks/results/cpu_paths-{dtype}.{json,md}.
+Writes benchmarks/results/cpu_paths-{dtype}.{json,md} (all paths) or cpu_paths-{path}-{dtype}.{json,md}.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ class Side:
 
     def __init__(self, name: str, path: str, with_path: bool, model: str, dtype: str):
         self.name, self.path, self.with_path = name, path, with_path
-        self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype))
+        native = with_path if path == "native-attention" else None  # None: the default (on)
+        self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype,
+                                                    native_attention=native))
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:
             removed = remove_lean_layers(self.engine.language_model)
@@ -118,7 +122,8 @@ def markdown(results: list[dict]) -> str:
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
             "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
-            "lean-layers is bit-exact, so they must be; causal-padding sums in another order (about one bf16 ulp), "
+            "lean-layers is bit-exact, so they must be; causal-padding and native-attention sum in another order "
+            "(about one bf16 ulp), "
             "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
             "tests/models/test_bf16_parity.py).\n")
 
@@ -126,17 +131,18 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding"))
+    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention"))
     parser.add_argument("--decode-steps", type=int, default=60)
     parser.add_argument("--prefill-steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = args.path or ["lean-layers", "causal-padding"]
+    paths = args.path or ["lean-layers", "causal-padding", "native-attention"]
     results = [measure(p, args.dtype, args.decode_steps, args.prefill_steps) for p in paths]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"cpu_paths-{args.dtype}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / f"cpu_paths-{args.dtype}.md").write_text(markdown(results))
+    name = "cpu_paths" if args.path is None else "cpu_paths-" + "-".join(paths)  # one path's run keeps the others'
+    (RESULTS / f"{name}-{args.dtype}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / f"{name}-{args.dtype}.md").write_text(markdown(results))
     print(markdown(results))
 
 

@@ -118,6 +118,9 @@ class EngineConfig:
     # at most this share of the KV cache's bytes; 0 = the reference gather path. None: 0.5 on CPU, 0 on
     # CUDA (whose KV cache takes the free memory, and whose default backend is flashinfer).
     decode_mirror: float | None = None
+    # Decode attention in C straight from the paged cache (layers/attention/native_decode.py), built on first
+    # use where a C compiler and AVX-512 are present; None: on for CPU, off on CUDA (flashinfer's job there).
+    native_attention: bool | None = None
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
     # Tensor parallelism (serve --sharded): this process's rank of world_size; 1 = one unsharded shard.
@@ -138,6 +141,12 @@ class EngineConfig:
             return self.decode_mirror
         return 0.0 if self.device.startswith("cuda") else 0.5
 
+    @property
+    def native_attention_on(self) -> bool:
+        if self.native_attention is not None:
+            return self.native_attention
+        return self.device.startswith("cpu")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:
         env = os.environ if env is None else env
@@ -156,6 +165,7 @@ class EngineConfig:
             wiggle_room=_float(env, "TGI_WIGGLE_ROOM", 0.90),
             cpu_kv_cache_bytes=int(_float(env, "TGI_VLM_CPU_KV_CACHE_GB", 1.0) * (1 << 30)),
             decode_mirror=_float(env, "TGI_VLM_DECODE_MIRROR", None),
+            native_attention=_flag(env, "TGI_VLM_NATIVE_ATTENTION", None),
             request_logprobs=_flag(env, "REQUEST_LOGPROBS", False),
             watermark_gamma=_float(env, "WATERMARK_GAMMA", 0.5),
             watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),

@@ -1,9 +1,11 @@
-"""The decode mirror (on by default on CPU) and the reference gather path (`decode_mirror=0`) give the
-same logits, bit for bit, and the same tokens, through what moves rows around in the mirror: requests
+"""The decode mirror (the CPU path where the native kernel cannot run) and the reference gather path
+(`decode_mirror=0`) give the same logits, bit for bit, and the same tokens, through what moves rows around in the mirror: requests
 joining mid-decode, finishing at different steps, chunked prefill next to decoding, speculative
 steps in between, and the attention variants (sliding windows, soft-capping, bidirectional image
-blocks, Llama4 chunked attention). The parity suites (text, VLM, speculation) compare the default
-(mirror) path with transformers; this keeps the reference path tested and equal to it."""
+blocks, Llama4 chunked attention). The native decode kernel (layers/attention/native_decode.py, on by
+default on CPU) goes through the same scenarios against the gather path: the same tokens, logits within
+float32 rounding (it sums in another order). The parity suites (text, VLM, speculation) compare the default
+path with transformers; this keeps the other two tested and equal to it."""
 
 from __future__ import annotations
 
@@ -56,14 +58,40 @@ def assert_identical_runs(ours: Runner, reference: Runner) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
-    reference = run(load_engine(arch, decode_mirror=0.0), arch)
-    mirrored_engine = load_engine(arch, decode_mirror=0.5)
+    reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
+    mirrored_engine = load_engine(arch, decode_mirror=0.5, native_attention=False)
     mirrored = run(mirrored_engine, arch)
     assert mirrored_engine.attention.mirror is not None and mirrored_engine.attention.mirror.nbytes > 0
     mirrored_engine.release_idle()  # what the service calls once it holds no batch
     assert mirrored_engine.attention.mirror is None
     assert_identical_runs(mirrored, reference)
     assert sorted(mirrored.tokens) == [0, 1, 2, 10, 11]
+
+
+def assert_close_runs(ours: Runner, reference: Runner) -> None:
+    """The same tokens for every request; logits within float32 rounding at every step."""
+    assert dict(ours.tokens) == dict(reference.tokens)
+    for rid, rows in reference.logits.items():
+        assert len(ours.logits[rid]) == len(rows)
+        for mine, theirs in zip(ours.logits[rid], rows):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_native_kernel_and_the_gather_path_agree(arch):
+    reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
+    engine = load_engine(arch, native_attention=True)
+    assert engine.attention.native is not None
+    calls = []
+    attend = engine.attention.native.attend
+    engine.attention.native.attend = lambda *args, **kwargs: (calls.append(1), attend(*args, **kwargs))[1]
+    native = run(engine, arch)
+    assert_close_runs(native, reference)
+    assert sorted(native.tokens) == [0, 1, 2, 10, 11]
+    if arch == "gemma2":  # soft-capped logits: the kernel steps aside after the first layer asks, the mirror decodes
+        assert engine.attention.native_unsuitable and engine.attention.mirror is not None
+    else:
+        assert calls and not engine.attention.native_unsuitable and engine.attention.mirror is None
 
 
 def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
@@ -74,9 +102,22 @@ def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
     reqs = lambda: [make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)]  # noqa: E731
     out = {}
     for share in (0.0, 0.5):
-        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=share)
+        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=share, native_attention=False)
         runner = Runner(engine)
         runner.prefill(reqs())
         runner.run()
         out[share] = runner
     assert_identical_runs(out[0.5], out[0.0])
+
+
+def test_speculative_steps_with_the_native_kernel_match_the_gather_path():
+    from tests.models.test_speculative import WITH_IMAGE
+
+    out = {}
+    for native in (False, True):
+        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=0.0, native_attention=native)
+        runner = Runner(engine)
+        runner.prefill([make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)])
+        runner.run()
+        out[native] = runner
+    assert_close_runs(out[True], out[False])

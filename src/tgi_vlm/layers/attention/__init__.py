@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from loguru import logger
 
+from tgi_vlm.layers.attention import native_decode
 from tgi_vlm.layers.attention.backend import (
     ATTENTION_NAME,
     AttentionBackend,
@@ -42,11 +43,14 @@ def resolve_backend(requested: str, device: str) -> str:
     return name
 
 
-def make_backend(name: str, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0) -> AttentionBackend:
+def make_backend(name: str, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0,
+                 native_attention: bool = False) -> AttentionBackend:
     """A new backend instance for one model (`name` as returned by resolve_backend). `decode_mirror`: the
-    torch backend's dense decode copy may take up to this share of the KV cache's bytes (0: off)."""
+    torch backend's dense decode copy may take up to this share of the KV cache's bytes (0: off).
+    `native_attention`: the torch backend decodes through the C kernel (native_decode.py) where it loads."""
     if name == "torch":
-        return TorchPagedBackend(pattern, decode_mirror=decode_mirror)
+        native = native_decode.load() if native_attention else None
+        return TorchPagedBackend(pattern, decode_mirror=decode_mirror, native=native)
     return BACKENDS[name](pattern)
 
 

@@ -7,9 +7,10 @@ its own. Masks come from the metadata (built once per step and shared by the lay
 K/V copies: a prefill span with nothing cached before it (the usual first chunk of a prompt)
 attends to the step's own key/value rows, no copy. Spans after a cached prefix gather their
 positions from the paged cache, one `index_select` per layer. The decode group either does the
-same (the reference path: `decode_mirror=0`, and always on GPU) or, on CPU by default, attends over
-a dense per-sequence copy that each step only appends to (decode_mirror.py): the same values, no
-whole-context gather per layer. Measured alternatives (benchmarks/results/cpu-profile.md): one SDPA
+same (the reference path: `decode_mirror=0`, and always on GPU) or, on CPU, attends without any copy
+through the native kernel (native_decode.py: AVX-512 C reading the paged cache through each sequence's
+slots) or, where that cannot run, over a dense per-sequence copy that each step only appends to
+(decode_mirror.py): the same values, no whole-context gather per layer. Measured alternatives (benchmarks/results/cpu-profile.md): one SDPA
 per sequence over a view of its blocks when they are contiguous costs ~28 us of call overhead per
 sequence and layer, more than the batched gather at 8+ sequences.
 """
@@ -22,22 +23,32 @@ import torch.nn.functional as F
 from tgi_vlm.layers.attention.backend import AttentionBackend, AttentionPattern
 from tgi_vlm.layers.attention.decode_mirror import DecodeMirror, MirrorStep
 from tgi_vlm.layers.attention.metadata import AttentionMetadata
+from tgi_vlm.layers.attention.native_decode import NativeDecodeAttention, NativeDecodeStep
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0):
+    def __init__(self, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0,
+                 native: NativeDecodeAttention | None = None):
         super().__init__(pattern)
         self.mirror_share = decode_mirror  # of the KV cache's bytes; 0: the reference gather path
         self.mirror: DecodeMirror | None = None
+        self.native = native  # decode straight from the paged cache (CPU); None: mirror or gather
+        self.native_unsuitable = False  # a layer could not use it (soft-capped, dtype): plan the mirror instead
 
     def release_idle(self) -> None:
         self.mirror = None  # its tensors hold the last batch's K/V copy; rebuilt by the next decode step
 
     def plan(self, meta: AttentionMetadata) -> None:
         meta.backend_state = None
-        if meta.decode is None or not self.mirror_share:
+        if meta.decode is None:
+            return
+        if self.native is not None and not self.native_unsuitable and self.native.supports_cache(meta.kv_cache.keys[0]):
+            self.mirror = None  # not needed while the kernel reads the cache itself
+            meta.backend_state = NativeDecodeStep(meta.decode)
+            return
+        if not self.mirror_share:
             return
         budget = int(self.mirror_share * meta.kv_cache.spec.bytes_per_block * meta.kv_cache.num_blocks)
         if self.mirror is None or self.mirror.budget_bytes != budget:
@@ -51,8 +62,14 @@ class TorchPagedBackend(AttentionBackend):
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)
         chunk = self.pattern.chunk_size(layer_idx)
-        if isinstance(meta.backend_state, MirrorStep):
-            self._decode_from_mirror(layer_idx, q, out, k_cache, v_cache, meta.backend_state, scaling,
+        state = meta.backend_state
+        if isinstance(state, NativeDecodeStep) and self.native.can_run(q, k_cache, softcap):
+            self.native.attend(q, out, k_cache, v_cache, state, scaling, sliding_window, chunk)
+        elif isinstance(state, NativeDecodeStep):
+            self.native_unsuitable = True  # from the next step on, the mirror (this one gathers)
+            _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
+        elif isinstance(state, MirrorStep):
+            self._decode_from_mirror(layer_idx, q, out, k_cache, v_cache, state, scaling,
                                      sliding_window, chunk, softcap)
         elif meta.decode is not None:
             _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)

@@ -1,0 +1,110 @@
+"""Decode attention of one layer, three ways, on the same paged cache: the native kernel (layers/attention/native_decode.py),
+SDPA over a dense padded copy (what the decode mirror feeds it), and the reference gather + SDPA.
+
+Shapes: 13 decoding sequences of 80-430 positions (the bench workload's), scattered 16-slot blocks in a cache of
+4000 blocks (so K/V come from memory, not cache, as in a step); the bench model's heads (12 query, 4 kv, 64) and a
+Qwen2-VL-2B-like layer (12 query, 2 kv, 128). Rounds alternate the three; medians of the rounds.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/native_decode_attention.py
+
+Writes benchmarks/results/native_decode_attention.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tgi_vlm.layers.attention import native_decode
+from tgi_vlm.layers.attention.metadata import DecodeGroup, decode_mask
+from tgi_vlm.layers.attention.native_decode import NativeDecodeStep
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK, NUM_BLOCKS, ROWS, ROUNDS, CALLS = 16, 4000, 13, 7, 50
+SHAPES = [(12, 4, 64), (12, 2, 128)]
+
+
+def case(native, hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(80, 431, (ROWS,), generator=gen).tolist()
+    k_cache = torch.randn(NUM_BLOCKS * BLOCK, hkv, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS * BLOCK, hkv, head_dim, generator=gen).to(dtype)
+    order = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    width = max(lens)
+    slot_index = torch.zeros(ROWS, width, dtype=torch.long)
+    for row, n in enumerate(lens):
+        blocks = torch.tensor([order.pop() for _ in range(-(-n // BLOCK))])
+        slot_index[row, :n] = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:n]
+    q = torch.randn(ROWS, hq, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    group = DecodeGroup.build(list(range(ROWS)), lens, slot_index, ROWS)
+    step = NativeDecodeStep(group)
+    mask = decode_mask(group.kv_lens, width, None, None)
+    capacity = (width // 64 + 1) * 64  # the mirror's aligned capacity
+    dense_k = torch.zeros(ROWS, hkv, capacity, head_dim, dtype=dtype)
+    dense_v = torch.zeros_like(dense_k)
+    for row, n in enumerate(lens):
+        dense_k[row, :, :n] = k_cache[slot_index[row, :n]].transpose(0, 1)
+        dense_v[row, :, :n] = v_cache[slot_index[row, :n]].transpose(0, 1)
+
+    def kernel():
+        native.attend(q, out, k_cache, v_cache, step, None, None, None)
+
+    def mirror_sdpa():
+        F.scaled_dot_product_attention(q[:, :, None], dense_k[:, :, :width], dense_v[:, :, :width], attn_mask=mask,
+                                       enable_gqa=True)
+
+    def gather_sdpa():
+        k = k_cache.index_select(0, slot_index.reshape(-1)).view(ROWS, width, hkv, head_dim).permute(0, 2, 1, 3)
+        v = v_cache.index_select(0, slot_index.reshape(-1)).view(ROWS, width, hkv, head_dim).permute(0, 2, 1, 3)
+        F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+
+    ways = {"native kernel": kernel, "SDPA over the mirror": mirror_sdpa, "gather + SDPA": gather_sdpa}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for fn in ways.values():
+        for _ in range(10):
+            fn()
+    for round_ in range(ROUNDS):
+        names = list(ways) if round_ % 2 == 0 else list(ways)[::-1]
+        for name in names:
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                ways[name]()
+            times[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    result = {"dtype": str(dtype).removeprefix("torch."), "heads": f"{hq}/{hkv}x{head_dim}", "positions": sum(lens)}
+    result.update({name: statistics.median(t) for name, t in times.items()})
+    return result
+
+
+def markdown(results: list[dict], when: str) -> str:
+    lines = ["| dtype | heads (q/kv x dim) | native kernel us | SDPA over the mirror us | gather + SDPA us | mirror / native |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['dtype']} | {r['heads']} | {r['native kernel']:.1f} | {r['SDPA over the mirror']:.1f} | "
+                     f"{r['gather + SDPA']:.1f} | {r['SDPA over the mirror'] / r['native kernel']:.2f} |")
+    return (f"# Decode attention of one layer ({when})\n\n`benchmarks/native_decode_attention.py`: {ROWS} sequences of "
+            f"80-430 positions ({results[0]['positions']} in all) in scattered blocks of a {NUM_BLOCKS}-block cache, "
+            f"{torch.get_num_threads()} threads; medians of {ROUNDS} alternating rounds of {CALLS} calls. The mirror's "
+            "copy itself (one position per row per step) is not counted.\n\n" + "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    native = native_decode.load()
+    if native is None:
+        raise SystemExit("the native decode kernel did not load here (see the warning above)")
+    results = [case(native, hq, hkv, d, dtype) for hq, hkv, d in SHAPES for dtype in (torch.bfloat16, torch.float32)]
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "native_decode_attention.json").write_text(json.dumps({"when": when, "results": results}, indent=2) + "\n")
+    (RESULTS / "native_decode_attention.md").write_text(markdown(results, when))
+    print(markdown(results, when))
+
+
+if __name__ == "__main__":
+    main()

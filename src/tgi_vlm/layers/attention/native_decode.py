@@ -1,0 +1,210 @@
+"""Decode attention straight from the paged KV cache, in C for x86-64 CPUs with AVX-512 (native/decode_attention.c).
+
+Why: a decode step's attention on CPU was either a gather of every sequence's context per layer, or SDPA over
+the decode mirror's dense copy, padded to the longest sequence; both run torch's flash kernel one query row per
+head: 420 us per layer for 13 sequences of 80-430 positions on the bench model in bf16. The kernel reads each
+sequence's own positions through its slot list (no copy, no padding), G query heads per kv head over rows then in
+cache: 170 us for the same layer (benchmarks/native_decode_attention.py). torch offers no block-table-aware
+CPU attention, and no package that does supports this torch.
+
+How it is built: the first shard on a machine compiles the one C file with the system C compiler (`CC`, else
+`cc`), `-O3 -march=native -fopenmp`, into a cache keyed by the source, the flags, the compiler and the CPU
+(`$TGI_VLM_KERNEL_CACHE`, default ~/.cache/tgi-vlm/kernels); later starts load the cached library. No compiler,
+no AVX-512, another OS or architecture, or a build error: a warning, and decode attention stays on the torch
+path (the decode mirror). `TGI_VLM_NATIVE_ATTENTION=0` turns it off.
+
+What it computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
+of scaled q·k over positions [start, end) of its sequence, times V; float32 and bfloat16 (AVX512-BF16), head
+sizes that are multiples of 16 up to 256, any G = Hq / Hkv. Sums are in float32 in another order than torch's:
+float32 results differ from SDPA's by ~1e-7, bfloat16 ones by up to one bf16 ulp. Soft-capped logits (Gemma2),
+other dtypes (float16, an fp8 cache) and other devices keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from tgi_vlm.layers.attention.metadata import DecodeGroup
+
+SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
+ABI_VERSION = 1  # decode_attention.c's ABI_VERSION
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}
+MAX_HEAD_DIM = 256
+BUILD_TIMEOUT_S = 120
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [ctypes.c_int, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+             ctypes.c_float, ctypes.c_int]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $TGI_VLM_KERNEL_CACHE or ~/.cache/tgi-vlm/kernels."""
+    configured = os.environ.get("TGI_VLM_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "tgi-vlm" / "kernels"
+
+
+class NativeDecodeAttention:
+    """The loaded library: which dtypes it computes, and the call."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        if library.tgi_vlm_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path.name} has ABI {library.tgi_vlm_abi_version()}, expected {ABI_VERSION}")
+        self._fn = library.tgi_vlm_decode_attention
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = ctypes.c_int
+        codes = library.tgi_vlm_decode_attention_dtypes()
+        self.dtypes = frozenset(dtype for dtype, code in _DTYPE_CODES.items() if codes & code)
+
+    def supports_cache(self, k_cache: torch.Tensor) -> bool:
+        """Whether decode over this layer's flat cache `[slots, Hkv, D]` can run here (the query must match it)."""
+        head_dim = k_cache.shape[-1]
+        return (k_cache.device.type == "cpu" and k_cache.dtype in self.dtypes and head_dim % 16 == 0
+                and head_dim <= MAX_HEAD_DIM and k_cache.is_contiguous())
+
+    def can_run(self, q: torch.Tensor, k_cache: torch.Tensor, softcap: float | None) -> bool:
+        return (not softcap and q.dtype == k_cache.dtype and q.stride(-1) == 1 and q.shape[1] % k_cache.shape[1] == 0
+                and self.supports_cache(k_cache))
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               step: NativeDecodeStep, scaling: float | None, sliding_window: int | None, chunk: int | None) -> None:
+        """Decode rows of `q` `[T, Hq, D]` (rows `step.rows`) attend over their cached positions; results go to the
+        same rows of `out` (same shape, last dim contiguous). Other rows of `out` are not touched."""
+        starts, ends = step.bounds(sliding_window, chunk)
+        _, hq, head_dim = q.shape
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        status = self._fn(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                          v_cache.data_ptr(), step.slot_index.data_ptr(), step.slot_index.shape[1],
+                          step.rows.data_ptr(), starts.data_ptr(), ends.data_ptr(), out.data_ptr(), out.stride(0),
+                          out.stride(1), step.num_rows, hq, k_cache.shape[1], head_dim, scale, torch.get_num_threads())
+        if status != 0:  # can_run checked what the library checks: this is a bug, not bad input
+            raise RuntimeError(f"native decode attention refused dtype {q.dtype}, head_dim {head_dim}")
+
+
+@dataclass
+class NativeDecodeStep:
+    """One step's decode rows for the native kernel (`AttentionMetadata.backend_state`): host-made, shared by the
+    layers. Positions [start, end) of row b are attended: end = kv_len; start from the sliding window and
+    Llama4's attention chunk, the same positions `metadata.decode_mask` lets through."""
+
+    group: DecodeGroup
+    rows: torch.Tensor = field(init=False)
+    slot_index: torch.Tensor = field(init=False)
+    _bounds: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        self.rows = self.group.rows.contiguous()
+        self.slot_index = self.group.slot_index.contiguous()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.group.row_list)
+
+    def bounds(self, sliding_window: int | None, chunk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (sliding_window, chunk)
+        if key not in self._bounds:
+            starts = []
+            for length in self.group.kv_len_list:
+                start = 0
+                if sliding_window:
+                    start = max(start, length - sliding_window)
+                if chunk:
+                    start = max(start, (length - 1) // chunk * chunk)
+                starts.append(start)
+            self._bounds[key] = (torch.tensor(starts, dtype=torch.long), torch.tensor(self.group.kv_len_list,
+                                                                                      dtype=torch.long))
+        return self._bounds[key]
+
+
+@functools.cache
+def load() -> NativeDecodeAttention | None:
+    """The kernel library, built on first use and cached on disk; None (with the reason logged) where it cannot
+    run. Once per process."""
+    reason = _unsupported_platform()
+    if reason is None:
+        try:
+            path = _build()
+            native = NativeDecodeAttention(ctypes.CDLL(str(path)), path)
+        except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+            reason = f"building or loading {SOURCE.name} failed: {error}"
+        else:
+            if not native.dtypes:
+                reason = "this CPU has no AVX-512"
+            else:
+                logger.info("native decode attention: {} ({})", path.name,
+                            ", ".join(sorted(str(d).removeprefix("torch.") for d in native.dtypes)))
+                return native
+    logger.warning("native decode attention unavailable ({}); decode attention stays on the torch path", reason)
+    return None
+
+
+def _unsupported_platform() -> str | None:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"built only on x86-64 Linux, not {sys.platform}/{platform.machine()}"
+    if _compiler() is None:
+        return "no C compiler (set CC, or install gcc)"
+    return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build() -> Path:
+    """Compile the source into the cache unless a library for the same key is there; returns its path."""
+    compiler = _compiler()
+    key = _cache_key(compiler)
+    target = cache_dir() / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: two shards starting together never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:1])} exited {result.returncode}: {result.stderr.strip()[-800:]}")
+        os.replace(built, target)
+    logger.info("native decode attention built into {}", target)
+    return target
+
+
+def _cache_key(compiler: str) -> str:
+    """Source, ABI, flags, the compiler's identity and the CPU's feature flags (-march=native builds for them)."""
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(repr((ABI_VERSION, FLAGS, compiler)).encode())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    digest.update(version.stdout.encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    wanted = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                name = line.split(":", 1)[0].strip()
+                if name in ("model name", "flags") and name not in wanted:
+                    wanted[name] = line
+                if len(wanted) == 2:
+                    break
+    except OSError:
+        pass
+    return "".join(wanted.values()) or platform.processor()
