@@ -2,8 +2,10 @@
 SDPA over a dense padded copy (what the decode mirror feeds it), and the reference gather + SDPA.
 
 Shapes: 13 decoding sequences of 80-430 positions (the bench workload's), scattered 16-slot blocks in a cache of
-4000 blocks (so K/V come from memory, not cache, as in a step); the bench model's heads (12 query, 4 kv, 64) and a
-Qwen2-VL-2B-like layer (12 query, 2 kv, 128). Rounds alternate the three; medians of the rounds.
+4000 blocks; the bench model's heads (12 query, 4 kv, 64) and a Qwen2-VL-2B-like layer (12 query, 2 kv, 128).
+Two conditions: warm (calls back to back: the layer's K/V stay in cache) and cold (a 256 MB buffer is written
+before each call, as a serving step's weights stream through the caches between one layer's attention and the
+next step's). Rounds alternate the three ways; medians of the rounds.
 
     PYTHONPATH=src .venv/bin/python benchmarks/native_decode_attention.py
 
@@ -26,7 +28,8 @@ from tgi_vlm.layers.attention.metadata import DecodeGroup, decode_mask
 from tgi_vlm.layers.attention.native_decode import NativeDecodeStep
 
 RESULTS = Path(__file__).parent / "results"
-BLOCK, NUM_BLOCKS, ROWS, ROUNDS, CALLS = 16, 4000, 13, 7, 50
+BLOCK, NUM_BLOCKS, ROWS, ROUNDS, CALLS, COLD_CALLS = 16, 4000, 13, 7, 50, 8
+EVICT = torch.zeros(256 << 18)  # 256 MB of float32
 SHAPES = [(12, 4, 64), (12, 2, 128)]
 
 
@@ -66,7 +69,7 @@ def case(native, hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
         F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
 
     ways = {"native kernel": kernel, "SDPA over the mirror": mirror_sdpa, "gather + SDPA": gather_sdpa}
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    times: dict[tuple[str, str], list[float]] = {(name, c): [] for name in ways for c in ("warm", "cold")}
     for fn in ways.values():
         for _ in range(10):
             fn()
@@ -76,22 +79,32 @@ def case(native, hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
             start = time.perf_counter()
             for _ in range(CALLS):
                 ways[name]()
-            times[name].append((time.perf_counter() - start) / CALLS * 1e6)
+            times[name, "warm"].append((time.perf_counter() - start) / CALLS * 1e6)
+            cold = 0.0
+            for _ in range(COLD_CALLS):
+                EVICT.add_(1.0)
+                start = time.perf_counter()
+                ways[name]()
+                cold += time.perf_counter() - start
+            times[name, "cold"].append(cold / COLD_CALLS * 1e6)
     result = {"dtype": str(dtype).removeprefix("torch."), "heads": f"{hq}/{hkv}x{head_dim}", "positions": sum(lens)}
-    result.update({name: statistics.median(t) for name, t in times.items()})
+    result.update({f"{name} {c}": statistics.median(t) for (name, c), t in times.items()})
     return result
 
 
 def markdown(results: list[dict], when: str) -> str:
-    lines = ["| dtype | heads (q/kv x dim) | native kernel us | SDPA over the mirror us | gather + SDPA us | mirror / native |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| dtype | heads (q/kv x dim) | cache | native kernel us | SDPA over the mirror us | gather + SDPA us | "
+             "mirror / native |", "|---|---|---|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['dtype']} | {r['heads']} | {r['native kernel']:.1f} | {r['SDPA over the mirror']:.1f} | "
-                     f"{r['gather + SDPA']:.1f} | {r['SDPA over the mirror'] / r['native kernel']:.2f} |")
+        for c in ("warm", "cold"):
+            native, mirror, gather = (r[f"{w} {c}"] for w in ("native kernel", "SDPA over the mirror", "gather + SDPA"))
+            lines.append(f"| {r['dtype']} | {r['heads']} | {c} | {native:.1f} | {mirror:.1f} | {gather:.1f} | "
+                         f"{mirror / native:.2f} |")
     return (f"# Decode attention of one layer ({when})\n\n`benchmarks/native_decode_attention.py`: {ROWS} sequences of "
             f"80-430 positions ({results[0]['positions']} in all) in scattered blocks of a {NUM_BLOCKS}-block cache, "
-            f"{torch.get_num_threads()} threads; medians of {ROUNDS} alternating rounds of {CALLS} calls. The mirror's "
-            "copy itself (one position per row per step) is not counted.\n\n" + "\n".join(lines) + "\n")
+            f"{torch.get_num_threads()} threads; medians of {ROUNDS} alternating rounds ({CALLS} calls back to back "
+            f"for warm, {COLD_CALLS} calls each after writing 256 MB for cold). The mirror's copy itself (one position "
+            "per row per step) is not counted.\n\n" + "\n".join(lines) + "\n")
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ Why: a decode step's attention on CPU was either a gather of every sequence's co
 the decode mirror's dense copy, padded to the longest sequence; both run torch's flash kernel one query row per
 head: 420 us per layer for 13 sequences of 80-430 positions on the bench model in bf16. The kernel reads each
 sequence's own positions through its slot list (no copy, no padding), G query heads per kv head over rows then in
-cache: 170 us for the same layer (benchmarks/native_decode_attention.py). torch offers no block-table-aware
+cache: 183 us for the same layer, and 465 us against 955 with the cache cold as in a serving step
+(benchmarks/native_decode_attention.py). torch offers no block-table-aware
 CPU attention, and no package that does supports this torch.
 
 How it is built: the first shard on a machine compiles the one C file with the system C compiler (`CC`, else
