@@ -77,14 +77,33 @@ def assert_close_runs(ours: Runner, reference: Runner) -> None:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5)
 
 
+def _native_kernel_here() -> bool:
+    from tests.unit.test_native_decode import (
+        pytestmark as unsupported,  # the same hardware/compiler condition
+    )
+
+    return not unsupported.args[0]
+
+
+needs_native = pytest.mark.skipif(not _native_kernel_here(), reason="the native decode kernel needs x86-64 with "
+                                  "AVX-512 and a C compiler")
+
+
+def _count_native_calls(engine, monkeypatch) -> list:
+    calls = []
+    native = engine.attention.native
+    attend = native.attend
+    monkeypatch.setattr(native, "attend", lambda *args, **kwargs: (calls.append(1), attend(*args, **kwargs))[1])
+    return calls
+
+
+@needs_native
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_native_kernel_and_the_gather_path_agree(arch):
+def test_the_native_kernel_and_the_gather_path_agree(arch, monkeypatch):
     reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
     engine = load_engine(arch, native_attention=True)
     assert engine.attention.native is not None
-    calls = []
-    attend = engine.attention.native.attend
-    engine.attention.native.attend = lambda *args, **kwargs: (calls.append(1), attend(*args, **kwargs))[1]
+    calls = _count_native_calls(engine, monkeypatch)
     native = run(engine, arch)
     assert_close_runs(native, reference)
     assert sorted(native.tokens) == [0, 1, 2, 10, 11]
@@ -110,14 +129,18 @@ def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
     assert_identical_runs(out[0.5], out[0.0])
 
 
-def test_speculative_steps_with_the_native_kernel_match_the_gather_path():
+@needs_native
+def test_speculative_steps_with_the_native_kernel_match_the_gather_path(monkeypatch):
     from tests.models.test_speculative import WITH_IMAGE
 
-    out = {}
+    out, calls = {}, []
     for native in (False, True):
         engine = load_engine("qwen2_vl", speculate=2, decode_mirror=0.0, native_attention=native)
+        if native:
+            calls = _count_native_calls(engine, monkeypatch)
         runner = Runner(engine)
         runner.prefill([make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)])
         runner.run()
         out[native] = runner
     assert_close_runs(out[True], out[False])
+    assert calls  # one-token steps between the speculative ones went through the kernel

@@ -15,7 +15,7 @@ no AVX-512, another OS or architecture, or a build error: a warning, and decode 
 path (the decode mirror). `TGI_VLM_NATIVE_ATTENTION=0` turns it off.
 
 What it computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
-of scaled q·k over positions [start, end) of its sequence, times V; float32 and bfloat16 (AVX512-BF16), head
+of scaled q·k over positions [start, end) of its sequence, times V; float32 and bfloat16 (AVX-512F), head
 sizes that are multiples of 16 up to 256, any G = Hq / Hkv. Sums are in float32 in another order than torch's:
 float32 results differ from SDPA's by ~1e-7, bfloat16 ones by up to one bf16 ulp. Soft-capped logits (Gemma2),
 other dtypes (float16, an fp8 cache) and other devices keep the torch path.
@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,10 @@ from tgi_vlm.layers.attention.metadata import DecodeGroup
 
 SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 ABI_VERSION = 1  # decode_attention.c's ABI_VERSION
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# Compiled with -ffast-math (glibc's vector expf needs it) but linked without it: linked with it, GCC < 13 adds
+# crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole process on load.
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 256
 BUILD_TIMEOUT_S = 120
@@ -85,6 +89,14 @@ class NativeDecodeAttention:
                step: NativeDecodeStep, scaling: float | None, sliding_window: int | None, chunk: int | None) -> None:
         """Decode rows of `q` `[T, Hq, D]` (rows `step.rows`) attend over their cached positions; results go to the
         same rows of `out` (same shape, last dim contiguous). Other rows of `out` are not touched."""
+        if not (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+                and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()
+                and q.shape[-1] == k_cache.shape[-1] and step.max_slot < k_cache.shape[0]
+                and max(step.group.row_list, default=-1) < q.shape[0]):
+            # The C code indexes raw memory: what the torch path would refuse with an IndexError must not reach it.
+            raise ValueError(f"native decode attention: inconsistent inputs (q {tuple(q.shape)}, out "
+                             f"{tuple(out.shape)}, cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, "
+                             f"largest slot {step.max_slot})")
         starts, ends = step.bounds(sliding_window, chunk)
         _, hq, head_dim = q.shape
         scale = scaling if scaling is not None else head_dim ** -0.5
@@ -92,6 +104,8 @@ class NativeDecodeAttention:
                           v_cache.data_ptr(), step.slot_index.data_ptr(), step.slot_index.shape[1],
                           step.rows.data_ptr(), starts.data_ptr(), ends.data_ptr(), out.data_ptr(), out.stride(0),
                           out.stride(1), step.num_rows, hq, k_cache.shape[1], head_dim, scale, torch.get_num_threads())
+        if status == -2:
+            raise MemoryError("native decode attention: no memory for a thread's scratch buffers")
         if status != 0:  # can_run checked what the library checks: this is a bug, not bad input
             raise RuntimeError(f"native decode attention refused dtype {q.dtype}, head_dim {head_dim}")
 
@@ -105,11 +119,15 @@ class NativeDecodeStep:
     group: DecodeGroup
     rows: torch.Tensor = field(init=False)
     slot_index: torch.Tensor = field(init=False)
+    max_slot: int = field(init=False)
     _bounds: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         self.rows = self.group.rows.contiguous()
         self.slot_index = self.group.slot_index.contiguous()
+        if max(self.group.kv_len_list, default=0) > self.slot_index.shape[1] or self.slot_index.shape[0] != self.num_rows:
+            raise ValueError("decode group: a kv_len exceeds its slot index, or rows and slot index disagree")
+        self.max_slot = int(self.slot_index.max()) if self.slot_index.numel() else 0
 
     @property
     def num_rows(self) -> int:
@@ -161,8 +179,12 @@ def _unsupported_platform() -> str | None:
     return None
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The C compiler command: $CC (split as a shell would: "ccache gcc"), else cc, else gcc."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _build() -> Path:
@@ -175,22 +197,23 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two shards starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[:1])} exited {result.returncode}: {result.stderr.strip()[-800:]}")
+        built, obj = Path(scratch) / target.name, Path(scratch) / "decode_attention.o"
+        for command in ([*compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
+                        [*compiler, str(obj), "-o", str(built), *LINK_FLAGS]):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                raise RuntimeError(f"{command[0]} exited {result.returncode}: {result.stderr.strip()[-800:]}")
         os.replace(built, target)
     logger.info("native decode attention built into {}", target)
     return target
 
 
-def _cache_key(compiler: str) -> str:
+def _cache_key(compiler: list[str]) -> str:
     """Source, ABI, flags, the compiler's identity and the CPU's feature flags (-march=native builds for them)."""
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    digest.update(repr((ABI_VERSION, FLAGS, compiler)).encode())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    digest.update(repr((ABI_VERSION, COMPILE_FLAGS, LINK_FLAGS, compiler)).encode())
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
     digest.update(version.stdout.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]

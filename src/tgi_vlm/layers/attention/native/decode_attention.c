@@ -3,12 +3,14 @@
 
    One query token per sequence (B sequences), each attending to its cached positions [start, end), read straight
    from the paged cache through the sequence's slot list: no gathered copy, no padding to the longest sequence.
-   Work items are sequences, shared out by OpenMP (the same libgomp torch loaded: one thread pool). An item runs
-   its kv heads one after the other, and each kv head's G = Hq / Hkv query heads in groups of up to MAX_GROUP,
-   each group reading each cached K and V row once. The cache comes from memory, not from cache, in a serving
-   step (the weights streamed through since the last layer): the first kv head's pass prefetches whole slots
-   (all heads, contiguous), and the later heads find their rows in L2. One (sequence, kv head) per item, with
-   each pass prefetching only its own 128-byte rows of 512-byte slots, ran 25% slower with a cold cache.
+   Work items are sequences, shared out by OpenMP (the same libgomp torch loaded: one thread pool), when there are
+   at least two per thread; else (sequence, kv head) pairs, so one long sequence still uses every thread. An item
+   runs each kv head's G = Hq / Hkv query heads in groups of up to MAX_GROUP, each group reading each cached K and
+   V row once. In a serving step the cache comes from memory, not from cache (the weights streamed through since
+   the last layer): with whole sequences as items, the first group's pass prefetches whole slots (all heads,
+   contiguous) while the sequence fits in L2, and the later heads find their rows there. Items of one
+   (sequence, kv head), each prefetching only its own 128-byte rows of 512-byte slots, ran 25% slower with a cold
+   cache (13 sequences, 2 threads).
 
    Per group: scores for 16 positions at a time (a dot product per position and head, then one transposing add
    tree for the 16 sums), the softmax in float (max, exp, sum), then the weighted sum of V rows in float,
@@ -24,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define ABI_VERSION 1
 #define DTYPE_FLOAT32 1
@@ -288,8 +291,9 @@ int tgi_vlm_decode_attention_dtypes(void) {
 
 /* q: query rows (row stride, head stride; elements contiguous). k_cache / v_cache: [slots, Hkv, D] contiguous.
    slot_index: [B, width] int64, the cache slot of each position of each sequence; rows[b]: the query/output row
-   of sequence b; positions [starts[b], ends[b]) are attended. Strides are in elements. Returns 0, or -1 when
-   the dtype or head size is not supported by this build (nothing written). */
+   of sequence b; positions [starts[b], ends[b]) are attended. Strides are in elements. Returns 0; -1 when
+   the dtype or head size is not supported by this build (nothing written); -2 when a thread's scratch memory
+   could not be allocated (its items are not written). */
 int tgi_vlm_decode_attention(int dtype, const void* q, int64_t q_row_stride, int64_t q_head_stride,
                              const void* k_cache, const void* v_cache, const int64_t* slot_index, int64_t width,
                              const int64_t* rows, const int64_t* starts, const int64_t* ends, void* out,
@@ -300,23 +304,44 @@ int tgi_vlm_decode_attention(int dtype, const void* q, int64_t q_row_stride, int
         return -1;
 #if defined(__AVX512F__)
     const int64_t G = Hq / Hkv, slot_stride = Hkv * D, padded_width = (width + 15) / 16 * 16 + 16;
+    const size_t esize = dtype == DTYPE_FLOAT32 ? 4 : 2;
+    /* Items: whole sequences when there are enough of them to keep every thread busy (then the first kv head's
+       pass can prefetch whole slots for the others), else (sequence, kv head) pairs. */
+    const int per_sequence = B >= 2 * (int64_t)num_threads;
+    const int64_t items = per_sequence ? B : B * Hkv, heads_per_item = per_sequence ? Hkv : 1;
+    int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         __m512* part = aligned_alloc(64, sizeof(__m512) * 16 * MAX_GROUP);
         float* scores = aligned_alloc(64, sizeof(float) * padded_width * MAX_GROUP);
+        if (part == NULL || scores == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t h = 0; h < Hkv; ++h) {
-                const int64_t n = ends[b] - starts[b];
-                const int64_t* slots = slot_index + b * width + starts[b];
-                const size_t esize = dtype == DTYPE_FLOAT32 ? 4 : 2;
-                /* the first kv head's pass prefetches whole slots (every head's K and V, contiguous), so the
-                   other heads' passes find their rows in cache; they prefetch their own rows */
-                const char* pk = (const char*)k_cache + (h == 0 ? 0 : h * D * esize);
-                const char* pv = (const char*)v_cache + (h == 0 ? 0 : h * D * esize);
-                const int64_t pb = (h == 0 ? slot_stride : D) * (int64_t)esize;
+        for (int64_t item = 0; item < items; ++item) {
+            if (part == NULL || scores == NULL) continue;  /* reported as -2: nothing else is left unwritten */
+            const int64_t b = per_sequence ? item : item / Hkv;
+            const int64_t n = ends[b] - starts[b];
+            const int64_t* slots = slot_index + b * width + starts[b];
+            if (n <= 0) {  /* nothing visible (not produced by the engine: kv_len >= 1): zeros, not 0/0 */
+                for (int64_t j = 0; j < (per_sequence ? Hq : G); ++j) {
+                    char* o = (char*)out + (rows[b] * out_row_stride + ((per_sequence ? 0 : (item % Hkv) * G) + j)
+                                            * out_head_stride) * esize;
+                    memset(o, 0, D * esize);
+                }
+                continue;
+            }
+            /* whole-slot prefetch (every head's row of a slot, contiguous) while the sequence's K and V fit in
+               this core's L2 (~2 MB here; half of it, to leave room), else each pass its own rows */
+            const int whole_slots = per_sequence && 2 * n * slot_stride * (int64_t)esize <= (1 << 20);
+            for (int64_t h = per_sequence ? 0 : item % Hkv, last = h + heads_per_item; h < last; ++h) {
                 for (int64_t j = h * G; j < (h + 1) * G;) {
                     const int count = (int)((h + 1) * G - j < MAX_GROUP ? (h + 1) * G - j : MAX_GROUP);
+                    const int prefetch_whole = whole_slots && h == 0 && j == 0;  /* once, by the first group */
+                    const char* pk = (const char*)k_cache + (prefetch_whole ? 0 : h * D * esize);
+                    const char* pv = (const char*)v_cache + (prefetch_whole ? 0 : h * D * esize);
+                    const int64_t pb = (prefetch_whole ? slot_stride : D) * (int64_t)esize;
                     const void* qs[MAX_GROUP];
                     void* os[MAX_GROUP];
                     for (int g = 0; g < count; ++g) {
@@ -333,9 +358,11 @@ int tgi_vlm_decode_attention(int dtype, const void* q, int64_t q_row_stride, int
                                             slot_stride, slots, n, scale, part, scores, padded_width, pk, pv, pb);
                 }
             }
+        }
         free(part);
         free(scores);
     }
+    if (failed) return -2;
     return 0;
 #else
     (void)q; (void)q_row_stride; (void)q_head_stride; (void)k_cache; (void)v_cache; (void)slot_index; (void)width;
