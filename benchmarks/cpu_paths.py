@@ -7,6 +7,8 @@ Paths (each alone, everything else at its default):
   vs the unpadded SDPA call.
 - `native-attention`: decode attention through the C kernel (layers/attention/native_decode.py) vs the
   decode mirror and SDPA.
+- `native-rotary`: the lean layer's rotary and K/V store in one C pass (`rotary_and_store`, bit-exact) vs
+  torch's operations.
 
 Steps measured: decode of 13 sequences (prompts ~200-300 tokens, growing), then prefill steps where
 two new text prompts of 60-140 words join those 13 decoding rows (the shape of a serving step when
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import tgi_vlm.layers.attention.torch_backend as torch_backend
+import tgi_vlm.layers.cpu_decoder as cpu_decoder
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.layers.cpu_decoder import remove_lean_layers
 from tgi_vlm.models import get_model
@@ -72,6 +75,8 @@ class Side:
     def enter(self) -> None:
         if self.path == "causal-padding":
             torch_backend.causal_attention = PADDED_CAUSAL if self.with_path else _unpadded_causal
+        if self.path == "native-rotary":
+            cpu_decoder.NATIVE_ROTARY = self.with_path
 
     def step(self, into: list[float]) -> None:
         self.enter()
@@ -99,6 +104,7 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
         for side in sides if i % 2 == 0 else sides[::-1]:
             side.prefill(100 + i, texts)
     torch_backend.causal_attention = PADDED_CAUSAL
+    cpu_decoder.NATIVE_ROTARY = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
     out = {"path": path, "dtype": dtype, "threads": torch.get_num_threads(), "decode_rows": DECODE_ROWS,
            "tokens_equal": sides[0].tokens == sides[1].tokens,
@@ -122,7 +128,8 @@ def markdown(results: list[dict]) -> str:
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
             "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
-            "lean-layers is bit-exact, so they must be; causal-padding and native-attention sum in another order "
+            "lean-layers and native-rotary are bit-exact, so they must be; causal-padding and native-attention sum in "
+            "another order "
             "(about one bf16 ulp), "
             "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
             "tests/models/test_bf16_parity.py).\n")
@@ -131,13 +138,13 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention"))
+    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention", "native-rotary"))
     parser.add_argument("--decode-steps", type=int, default=60)
     parser.add_argument("--prefill-steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = args.path or ["lean-layers", "causal-padding", "native-attention"]
+    paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary"]
     results = [measure(p, args.dtype, args.decode_steps, args.prefill_steps) for p in paths]
     RESULTS.mkdir(exist_ok=True)
     name = "cpu_paths" if args.path is None else "cpu_paths-" + "-".join(paths)  # one path's run keeps the others'

@@ -249,3 +249,47 @@ def test_inconsistent_inputs_are_refused_before_the_c_code(native):
         native.attend(q, torch.empty_like(q), k_flat, v_flat, bad, None, None, None)
     with pytest.raises(ValueError, match="exceeds"):
         NativeDecodeStep(DecodeGroup.build([0, 1], [5, 99], slot_index, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hq,hkv,head_dim", [(13, 12, 4, 64), (300, 12, 2, 128), (5, 4, 2, 16), (1, 3, 1, 8)])
+def test_rotary_and_store_is_bit_equal_to_the_torch_operations(native, dtype, tokens, hq, hkv, head_dim):
+    """The lean layer's fused rotary + K/V store against its torch form (`_rotate`, then `write_kv`): the same
+    bits in the query, the key, the value and every cache slot (written or not)."""
+    from tgi_vlm.layers.attention.torch_backend import write_kv
+    from tgi_vlm.layers.cpu_decoder import _rotate
+
+    gen = torch.Generator().manual_seed(tokens + head_dim)
+    qkv = (torch.randn(1, tokens, (hq + 2 * hkv) * head_dim, generator=gen) * 3).to(dtype)
+    angles = torch.rand(1, tokens, head_dim, generator=gen) * 20
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    caches = [PagedKVCache(KVCacheSpec(1, hkv, head_dim, BLOCK, dtype), tokens // BLOCK + 4, "cpu") for _ in range(2)]
+    slots = torch.randperm(caches[0].num_slots - BLOCK, generator=gen)[:tokens] + BLOCK
+
+    qk = _rotate(qkv[..., : (hq + hkv) * head_dim].view(1, tokens, hq + hkv, head_dim), cos.unsqueeze(2),
+                 sin.unsqueeze(2))
+    query, key = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2)
+    value = qkv[..., (hq + hkv) * head_dim :].view(1, tokens, hkv, head_dim).transpose(1, 2)
+    write_kv(*caches[0].flat(0), key, value, slots)
+
+    assert native.can_rotate(qkv, cos, sin, caches[1].flat(0)[0])
+    got = native.rotary_and_store(qkv, cos, sin, hq, *caches[1].flat(0), slots)
+    for mine, theirs in zip(got, (query, key, value)):
+        assert mine.shape == theirs.shape and torch.equal(mine, theirs)
+    assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])
+
+
+def test_the_lean_layer_uses_the_fused_rotary(monkeypatch):
+    from tests.conftest import load_engine
+    from tgi_vlm.testing.harness import Runner, make_request
+
+    engine = load_engine("qwen2", dtype="bfloat16")
+    native = engine.attention.native
+    calls = []
+    store = native.rotary_and_store
+    monkeypatch.setattr(native, "rotary_and_store", lambda *a, **k: (calls.append(1), store(*a, **k))[1])
+    runner = Runner(engine)
+    runner.prefill([make_request(0, "the cat sat on the mat", max_new_tokens=3)])
+    runner.run()
+    layers = engine.language_model.config.num_hidden_layers
+    assert len(calls) == 3 * layers  # the prefill and two decode steps, every layer

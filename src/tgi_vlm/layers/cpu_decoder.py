@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import paged_attention
+from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
 from tgi_vlm.layers.cpu_fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -77,6 +78,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+NATIVE_ROTARY = True  # benchmarks/cpu_paths.py turns it off to measure what the fused pass buys
+
+
+def _native_rotary(meta, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The torch backend's native library when it can rotate this layer's heads and store its K/V (CPU, float32
+    or bfloat16 matching the cache, one packed row of tokens); else None (torch's operations run)."""
+    if not NATIVE_ROTARY:
+        return None
+    backend = getattr(meta, "backend", None)
+    native = getattr(backend, "native", None) if isinstance(backend, TorchPagedBackend) else None
+    if native is None or not native.can_rotate(qkv, cos, sin, meta.kv_cache.flat(layer_idx)[0]):
+        return None
+    return native
+
+
 def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                   position_embeddings=None, **kwargs) -> torch.Tensor:
     parts: LeanParts = self.__dict__[_PARTS_ATTR]
@@ -85,13 +101,21 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     x = rms_norm(self.input_layernorm, hidden_states)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
-    qk = _rotate(qkv[..., : parts.qk_width].view(bsz, q_len, parts.q_heads + parts.kv_heads, parts.head_dim),
-                 cos.unsqueeze(2), sin.unsqueeze(2))
-    query = qk[:, :, : parts.q_heads].transpose(1, 2)  # [bsz, Hq, q_len, D]
-    key = qk[:, :, parts.q_heads :].transpose(1, 2)
-    value = qkv[..., parts.qk_width :].view(bsz, q_len, parts.kv_heads, parts.head_dim).transpose(1, 2)
-    out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
-                             sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
+    meta = kwargs.get("attn_metadata")
+    native = _native_rotary(meta, attn.layer_idx, qkv, cos, sin)
+    if native is not None:  # rotary and the K/V store in one C pass, bit-equal to the torch operations below
+        k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx)
+        query, key, value = native.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots)
+        out = meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
+                                   sliding_window=parts.sliding_window, kv_written=True)
+    else:
+        qk = _rotate(qkv[..., : parts.qk_width].view(bsz, q_len, parts.q_heads + parts.kv_heads, parts.head_dim),
+                     cos.unsqueeze(2), sin.unsqueeze(2))
+        query = qk[:, :, : parts.q_heads].transpose(1, 2)  # [bsz, Hq, q_len, D]
+        key = qk[:, :, parts.q_heads :].transpose(1, 2)
+        value = qkv[..., parts.qk_width :].view(bsz, q_len, parts.kv_heads, parts.head_dim).transpose(1, 2)
+        out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
+                                 sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(bsz, q_len, -1))
     gate_up = parts.gate_up.product(rms_norm(self.post_attention_layernorm, hidden_states))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)

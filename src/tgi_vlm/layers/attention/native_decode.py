@@ -42,6 +42,10 @@ from loguru import logger
 from tgi_vlm.layers.attention.metadata import DecodeGroup
 
 SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
+# Rotary + K/V store: bit-exact with torch's element-wise operations, so compiled without -ffast-math and
+# without contracting a * b + c into one fused multiply-add (each product is rounded, as torch rounds it).
+ROTARY_SOURCE = Path(__file__).with_name("native") / "rotary_kv.c"
+ROTARY_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-c")
 ABI_VERSION = 1  # decode_attention.c's ABI_VERSION
 # Compiled with -ffast-math (glibc's vector expf needs it) but linked without it: linked with it, GCC < 13 adds
 # crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole process on load.
@@ -72,6 +76,10 @@ class NativeDecodeAttention:
         self._fn = library.tgi_vlm_decode_attention
         self._fn.argtypes = _ARGTYPES
         self._fn.restype = ctypes.c_int
+        self._rotary = library.tgi_vlm_rotary_kv
+        self._rotary.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
+                                 ctypes.c_int]
+        self._rotary.restype = ctypes.c_int
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.dtypes = frozenset(dtype for dtype, code in _DTYPE_CODES.items() if codes & code)
 
@@ -84,6 +92,38 @@ class NativeDecodeAttention:
     def can_run(self, q: torch.Tensor, k_cache: torch.Tensor, softcap: float | None) -> bool:
         return (not softcap and q.dtype == k_cache.dtype and q.stride(-1) == 1 and q.shape[1] % k_cache.shape[1] == 0
                 and self.supports_cache(k_cache))
+
+    def can_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether `rotary_and_store` can take this layer's fused product (`[1, T, W]`), rotary tables
+        (`[1, T, D]`) and flat cache."""
+        return (qkv.device.type == "cpu" and qkv.dtype in _DTYPE_CODES and qkv.dim() == 3 and qkv.shape[0] == 1
+                and qkv.stride(-1) == 1 and k_cache.dtype == qkv.dtype and k_cache.is_contiguous()
+                and cos.dtype == qkv.dtype and sin.dtype == qkv.dtype and cos.shape == sin.shape
+                and cos.dim() == 3 and cos.shape[:2] == qkv.shape[:2] and cos.shape[-1] == k_cache.shape[-1]
+                and cos.stride() == sin.stride() and cos.stride(-1) == 1 and k_cache.shape[-1] % 2 == 0)
+
+    def rotary_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+        """The lean layer's rotary of the query and key heads of `qkv` `[1, T, (Hq + 2 Hkv) D]`, bit-equal to
+        `x * cos + rotate_half(x) * sin` in torch, and the torch backend's `write_kv` of the rotated keys and the
+        values at `slots`, in one pass. Returns query `[1, Hq, T, D]`, key and value `[1, Hkv, T, D]` (views)."""
+        _, tokens, width = qkv.shape
+        kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        if width != (q_heads + 2 * kv_heads) * head_dim or slots.shape != (tokens,) or slots.dtype != torch.long:
+            raise ValueError(f"rotary_and_store: a fused product of width {width} does not hold {q_heads} + 2 x "
+                             f"{kv_heads} heads of {head_dim}, or {tuple(slots.shape)} slots for {tokens} rows")
+        if tokens and int(slots.max()) >= k_cache.shape[0]:
+            raise ValueError("rotary_and_store: a slot past the cache")
+        slots = slots.contiguous()
+        q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype)
+        status = self._rotary(_DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(1), tokens, q_heads, kv_heads,
+                              head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(1), q.data_ptr(), k.data_ptr(),
+                              k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"rotary_and_store refused dtype {qkv.dtype}, head_dim {head_dim}")
+        value = qkv[0, :, (q_heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        return q.transpose(0, 1)[None], k.transpose(0, 1)[None], value.transpose(0, 1)[None]
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                step: NativeDecodeStep, scaling: float | None, sliding_window: int | None, chunk: int | None) -> None:
@@ -197,9 +237,10 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two shards starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, obj = Path(scratch) / target.name, Path(scratch) / "decode_attention.o"
+        built, obj, rotary_obj = (Path(scratch) / name for name in (target.name, "decode_attention.o", "rotary_kv.o"))
         for command in ([*compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
-                        [*compiler, str(obj), "-o", str(built), *LINK_FLAGS]):
+                        [*compiler, *ROTARY_FLAGS, str(ROTARY_SOURCE), "-o", str(rotary_obj)],
+                        [*compiler, str(obj), str(rotary_obj), "-o", str(built), *LINK_FLAGS]):
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise RuntimeError(f"{command[0]} exited {result.returncode}: {result.stderr.strip()[-800:]}")
@@ -212,7 +253,8 @@ def _cache_key(compiler: list[str]) -> str:
     """Source, ABI, flags, the compiler's identity and the CPU's feature flags (-march=native builds for them)."""
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    digest.update(repr((ABI_VERSION, COMPILE_FLAGS, LINK_FLAGS, compiler)).encode())
+    digest.update(ROTARY_SOURCE.read_bytes())
+    digest.update(repr((ABI_VERSION, COMPILE_FLAGS, ROTARY_FLAGS, LINK_FLAGS, compiler)).encode())
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
     digest.update(version.stdout.encode())
     digest.update(_cpu_flags().encode())

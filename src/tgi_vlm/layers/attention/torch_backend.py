@@ -56,9 +56,12 @@ class TorchPagedBackend(AttentionBackend):
         meta.backend_state = self.mirror.plan(meta.decode, meta.kv_cache)
 
     def forward(self, layer_idx, query, key, value, meta: AttentionMetadata, *, scaling, sliding_window,
-                softcap=None) -> torch.Tensor:
+                softcap=None, kv_written: bool = False) -> torch.Tensor:
+        """`kv_written`: the caller already stored this step's key/value at `meta.slots` (the lean layer's
+        fused rotary, `NativeDecodeAttention.rotary_and_store`)."""
         k_cache, v_cache = meta.kv_cache.flat(layer_idx)  # [slots, Hkv, D]
-        write_kv(k_cache, v_cache, key, value, meta.slots)
+        if not kv_written:
+            write_kv(k_cache, v_cache, key, value, meta.slots)
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)
         chunk = self.pattern.chunk_size(layer_idx)
