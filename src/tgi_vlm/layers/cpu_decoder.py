@@ -8,7 +8,9 @@ transformers' Llama-family layers make. For layers whose q/k/v and gate/up proje
 
 - the fused q/k/v product is sliced directly (no per-member split and bookkeeping);
 - rotary is applied to the query and key heads in one pass over their joint block (the same
-  element-wise `x * cos + rotate_half(x) * sin` as transformers' `apply_rotary_pos_emb`);
+  element-wise `x * cos + rotate_half(x) * sin` as transformers' `apply_rotary_pos_emb`); with the torch
+  backend's native library (CPU), that pass and the K/V store into the cache are one C call with the same
+  roundings (`NativeDecodeAttention.rotary_and_store`);
 - RMSNorm is `F.rms_norm` on float32 followed by the weight, bit-equal to transformers' RMSNorm
   (tests/unit/test_cpu_decoder.py checks it);
 - the submodules' forwards are called directly, without `Module.__call__` or transformers'

@@ -14,7 +14,10 @@ How it is built: the first shard on a machine compiles the one C file with the s
 no AVX-512, another OS or architecture, or a build error: a warning, and decode attention stays on the torch
 path (the decode mirror). `TGI_VLM_NATIVE_ATTENTION=0` turns it off.
 
-What it computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
+The same library holds `rotary_and_store` (native/rotary_kv.c): the lean decoder layer's rotary of the query and
+key heads and the K/V store into the cache in one pass, bit-equal to torch's operations.
+
+What the attention computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
 of scaled q·k over positions [start, end) of its sequence, times V; float32 and bfloat16 (AVX-512F), head
 sizes that are multiples of 16 up to 256, any G = Hq / Hkv. Sums are in float32 in another order than torch's:
 float32 results differ from SDPA's by ~1e-7, bfloat16 ones by up to one bf16 ulp. Soft-capped logits (Gemma2),
