@@ -9,6 +9,8 @@ Paths (each alone, everything else at its default):
   decode mirror and SDPA.
 - `native-rotary`: the lean layer's rotary and K/V store in one C pass (`rotary_and_store`, bit-exact) vs
   torch's operations.
+- `padded-outputs`: the lean layer writing its norms and SiLU x up into the packed linears' padded buffers
+  (`PaddedRows`) vs each linear padding its input (a copy and a zero fill per linear past 32 rows).
 
 Steps measured: decode of 13 sequences (prompts ~200-300 tokens, growing), then prefill steps where
 two new text prompts of 60-140 words join those 13 decoding rows (the shape of a serving step when
@@ -77,6 +79,8 @@ class Side:
             torch_backend.causal_attention = PADDED_CAUSAL if self.with_path else _unpadded_causal
         if self.path == "native-rotary":
             cpu_decoder.NATIVE_ROTARY = self.with_path
+        if self.path == "padded-outputs":
+            cpu_decoder.PADDED_OUTPUTS = self.with_path
 
     def step(self, into: list[float]) -> None:
         self.enter()
@@ -104,7 +108,7 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
         for side in sides if i % 2 == 0 else sides[::-1]:
             side.prefill(100 + i, texts)
     torch_backend.causal_attention = PADDED_CAUSAL
-    cpu_decoder.NATIVE_ROTARY = True
+    cpu_decoder.NATIVE_ROTARY = cpu_decoder.PADDED_OUTPUTS = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
     out = {"path": path, "dtype": dtype, "threads": torch.get_num_threads(), "decode_rows": DECODE_ROWS,
            "tokens_equal": sides[0].tokens == sides[1].tokens,
@@ -128,7 +132,7 @@ def markdown(results: list[dict]) -> str:
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
             "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
-            "lean-layers and native-rotary are bit-exact, so they must be; causal-padding and native-attention sum in "
+            "lean-layers, native-rotary and padded-outputs are bit-exact, so they must be; causal-padding and native-attention sum in "
             "another order "
             "(about one bf16 ulp), "
             "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
@@ -138,13 +142,14 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention", "native-rotary"))
+    parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention", "native-rotary",
+                                                       "padded-outputs"))
     parser.add_argument("--decode-steps", type=int, default=60)
     parser.add_argument("--prefill-steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary"]
+    paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary", "padded-outputs"]
     results = [measure(p, args.dtype, args.decode_steps, args.prefill_steps) for p in paths]
     RESULTS.mkdir(exist_ok=True)
     name = "cpu_paths" if args.path is None else "cpu_paths-" + "-".join(paths)  # one path's run keeps the others'

@@ -41,3 +41,29 @@ def test_lean_layers_give_transformers_layers_logits_bit_for_bit(arch, dtype):
 @pytest.mark.parametrize("arch", NOT_COVERED)
 def test_other_layers_keep_transformers_forward(arch):
     assert lean_layers(load_engine(arch)) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prefills_through_padded_outputs_stay_bit_for_bit(dtype, monkeypatch):
+    """Past 32 rows the lean layer writes its norms and SiLU x up straight into the packed linears' padded
+    buffers (`PaddedRows`): still transformers' values, bit for bit, beside decode rows."""
+    from tgi_vlm.layers import cpu
+    from tgi_vlm.testing.harness import Runner, make_request
+
+    made = []
+    empty = cpu.PaddedRows.empty
+    monkeypatch.setattr(cpu.PaddedRows, "empty", classmethod(lambda c, *a: (made.append(a), empty(*a))[1]))
+    words = "the cat sat on a mat and looked at the dog who ran away from it".split()
+    runs = []
+    for lean in (True, False):
+        engine = load_engine("qwen2", dtype=dtype)
+        if not lean:
+            remove_lean_layers(engine.language_model)
+        runner = Runner(engine)
+        runner.prefill([make_request(0, " ".join(words * 3), max_new_tokens=4)])
+        runner.step()
+        runner.prefill([make_request(1, " ".join(words * 5), max_new_tokens=3)], batch_id=2)
+        runner.run()
+        runs.append(runner)
+    assert made, "no prefill was long enough to take the padded path"
+    assert_identical_runs(*runs)

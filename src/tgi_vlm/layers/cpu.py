@@ -38,10 +38,12 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
+import math
 import os
 import time
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +107,26 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+class PaddedRows(NamedTuple):
+    """An input already laid out for a packed linear: `buffer` `[row_bucket(rows), width]` whose rows past `rows`
+    are zero, holding a `[*shape, width]` tensor. A producer that writes its output into `logical()` (with `out=`)
+    saves the linear the copy into a padded buffer (layers/cpu_decoder.py does, for its norms and SiLU x up)."""
+
+    buffer: torch.Tensor
+    rows: int
+    shape: tuple[int, ...]
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], width: int, dtype: torch.dtype) -> PaddedRows:
+        rows = math.prod(shape)
+        buffer = torch.empty(row_bucket(rows), width, dtype=dtype)
+        buffer[rows:].zero_()
+        return cls(buffer, rows, tuple(shape))
+
+    def logical(self) -> torch.Tensor:
+        return self.buffer[: self.rows].view(*self.shape, self.buffer.shape[-1])
+
+
 def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` as `[rows, in]` with zero rows appended up to `row_bucket(rows)`, and `rows`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -145,8 +167,11 @@ class PackedWeight:
         """What oneDNN keys its kernel on, besides the rows."""
         return self.in_features, self.out_features, self.dtype, bias is not None
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x `[..., in]` -> `[..., out]`."""
+    def __call__(self, x: torch.Tensor | PaddedRows, bias: torch.Tensor | None) -> torch.Tensor:
+        """x `[..., in]` (or already padded) -> `[..., out]`."""
+        if isinstance(x, PaddedRows):
+            out = torch.ops.mkldnn._linear_pointwise(x.buffer, self.packed, bias, "none", [], "")
+            return out[: x.rows].view(*x.shape, out.shape[-1])
         if self.one_row is not None and x.numel() == x.shape[-1]:
             return F.linear(x, self.one_row, bias)
         flat, rows = padded_rows(x)

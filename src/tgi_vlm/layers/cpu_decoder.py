@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
+from tgi_vlm.layers.cpu import PaddedRows, _packed_linear_forward, row_bucket
 from tgi_vlm.layers.cpu_fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -62,6 +63,7 @@ class LeanParts:
     kv_heads: int
     head_dim: int
     sliding_window: int | None
+    down_packed: bool  # down_proj runs layers/cpu.py's packed forward (it takes PaddedRows)
 
     @property
     def qk_width(self) -> int:
@@ -72,6 +74,29 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight."""
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
+
+
+PADDED_OUTPUTS = True  # benchmarks/cpu_paths.py turns it off to measure what writing into padded buffers buys
+
+
+def _padded_for_linear(x: torch.Tensor) -> PaddedRows | None:
+    """A padded buffer for an output of x's shape that a packed linear takes next, when its rows get padded
+    (past 32 rows); None: the plain tensor is as good."""
+    if not PADDED_OUTPUTS:
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return PaddedRows.empty(tuple(x.shape[:-1]), x.shape[-1], x.dtype) if row_bucket(rows) != rows else None
+
+
+def rms_norm_for_linear(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | PaddedRows:
+    """`rms_norm`, written straight into the padded buffer the next packed linear needs (the same operations,
+    so the same values; the linear skips its padding copy)."""
+    padded = _padded_for_linear(x)
+    if padded is None:
+        return rms_norm(norm, x)
+    normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
+    torch.mul(norm.weight, normed.to(x.dtype), out=padded.logical())
+    return padded
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,7 +125,7 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     parts: LeanParts = self.__dict__[_PARTS_ATTR]
     attn, mlp = self.self_attn, self.mlp
     bsz, q_len, _ = hidden_states.shape
-    x = rms_norm(self.input_layernorm, hidden_states)
+    x = rms_norm_for_linear(self.input_layernorm, hidden_states)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
     meta = kwargs.get("attn_metadata")
@@ -119,9 +144,13 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
         out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
                                  sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(bsz, q_len, -1))
-    gate_up = parts.gate_up.product(rms_norm(self.post_attention_layernorm, hidden_states))
+    gate_up = parts.gate_up.product(rms_norm_for_linear(self.post_attention_layernorm, hidden_states))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
-    return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+    padded = _padded_for_linear(up) if parts.down_packed else None
+    if padded is None:
+        return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+    torch.mul(mlp.act_fn(gate), up, out=padded.logical())
+    return hidden_states + mlp.down_proj.forward(padded)
 
 
 def _parts(layer: torch.nn.Module) -> LeanParts | None:
@@ -143,7 +172,9 @@ def _parts(layer: torch.nn.Module) -> LeanParts | None:
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # hooks (e.g. a tensor-parallel plan's) must run: keep transformers' forward
-    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn))
+    down_packed = getattr(mlp.down_proj.__dict__.get("forward"), "__func__", None) is _packed_linear_forward
+    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
+                     down_packed)
 
 
 def install_lean_layers(language_model: torch.nn.Module) -> int:
