@@ -249,6 +249,9 @@ def test_inconsistent_inputs_are_refused_before_the_c_code(native):
         native.attend(q, torch.empty_like(q), k_flat, v_flat, bad, None, None, None)
     with pytest.raises(ValueError, match="exceeds"):
         NativeDecodeStep(DecodeGroup.build([0, 1], [5, 99], slot_index, 2))
+    qkv, cos = torch.zeros(1, 2, (4 + 2 * 2) * 16), torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="past the cache"):
+        native.rotary_and_store(qkv, cos, cos, 4, k_flat, v_flat, torch.tensor([0, 1]), k_flat.shape[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -273,7 +276,7 @@ def test_rotary_and_store_is_bit_equal_to_the_torch_operations(native, dtype, to
     write_kv(*caches[0].flat(0), key, value, slots)
 
     assert native.can_rotate(qkv, cos, sin, caches[1].flat(0)[0])
-    got = native.rotary_and_store(qkv, cos, sin, hq, *caches[1].flat(0), slots)
+    got = native.rotary_and_store(qkv, cos, sin, hq, *caches[1].flat(0), slots, int(slots.max()))
     for mine, theirs in zip(got, (query, key, value)):
         assert mine.shape == theirs.shape and torch.equal(mine, theirs)
     assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])

@@ -132,7 +132,8 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     native = _native_rotary(meta, attn.layer_idx, qkv, cos, sin)
     if native is not None:  # rotary and the K/V store in one C pass, bit-equal to the torch operations below
         k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx)
-        query, key, value = native.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots)
+        query, key, value = native.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots,
+                                                    meta.max_slot())
         out = meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
                                    sliding_window=parts.sliding_window, kv_written=True)
     else:

@@ -87,6 +87,13 @@ class AttentionMetadata:
         """Forget cached masks (static graph inputs are refilled in place between runs)."""
         self._masks.clear()
 
+    def max_slot(self) -> int:
+        """The largest slot this step writes (-1: none); read back once per step, for the native C code's bounds
+        check (CPU only: a device tensor's read-back would be a host sync)."""
+        if "max_slot" not in self._masks:
+            self._masks["max_slot"] = int(self.slots.max()) if self.slots.numel() else -1
+        return self._masks["max_slot"]
+
     def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_kv] bool: True where the decode query may attend."""
         key = ("decode", sliding_window, chunk_size)

@@ -106,16 +106,16 @@ class NativeDecodeAttention:
                 and cos.stride() == sin.stride() and cos.stride(-1) == 1 and k_cache.shape[-1] % 2 == 0)
 
     def rotary_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, max_slot: int):
         """The lean layer's rotary of the query and key heads of `qkv` `[1, T, (Hq + 2 Hkv) D]`, bit-equal to
         `x * cos + rotate_half(x) * sin` in torch, and the torch backend's `write_kv` of the rotated keys and the
-        values at `slots`, in one pass. Returns query `[1, Hq, T, D]`, key and value `[1, Hkv, T, D]` (views)."""
+        values at `slots` (largest `max_slot`, computed once per step by the caller), in one pass. Returns query `[1, Hq, T, D]`, key and value `[1, Hkv, T, D]` (views)."""
         _, tokens, width = qkv.shape
         kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         if width != (q_heads + 2 * kv_heads) * head_dim or slots.shape != (tokens,) or slots.dtype != torch.long:
             raise ValueError(f"rotary_and_store: a fused product of width {width} does not hold {q_heads} + 2 x "
                              f"{kv_heads} heads of {head_dim}, or {tuple(slots.shape)} slots for {tokens} rows")
-        if tokens and int(slots.max()) >= k_cache.shape[0]:
+        if max_slot >= k_cache.shape[0]:
             raise ValueError("rotary_and_store: a slot past the cache")
         slots = slots.contiguous()
         q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype)
@@ -135,7 +135,7 @@ class NativeDecodeAttention:
         if not (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
                 and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()
                 and q.shape[-1] == k_cache.shape[-1] and step.max_slot < k_cache.shape[0]
-                and max(step.group.row_list, default=-1) < q.shape[0]):
+                and step.max_row < q.shape[0]):
             # The C code indexes raw memory: what the torch path would refuse with an IndexError must not reach it.
             raise ValueError(f"native decode attention: inconsistent inputs (q {tuple(q.shape)}, out "
                              f"{tuple(out.shape)}, cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, "
@@ -162,7 +162,8 @@ class NativeDecodeStep:
     group: DecodeGroup
     rows: torch.Tensor = field(init=False)
     slot_index: torch.Tensor = field(init=False)
-    max_slot: int = field(init=False)
+    max_slot: int = field(init=False)  # checked by `attend` against each layer's cache, computed once here
+    max_row: int = field(init=False)
     _bounds: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -171,6 +172,7 @@ class NativeDecodeStep:
         if max(self.group.kv_len_list, default=0) > self.slot_index.shape[1] or self.slot_index.shape[0] != self.num_rows:
             raise ValueError("decode group: a kv_len exceeds its slot index, or rows and slot index disagree")
         self.max_slot = int(self.slot_index.max()) if self.slot_index.numel() else 0
+        self.max_row = max(self.group.row_list, default=-1)
 
     @property
     def num_rows(self) -> int:
