@@ -119,7 +119,7 @@ class EngineConfig:
     # CUDA (whose KV cache takes the free memory, and whose default backend is flashinfer).
     decode_mirror: float | None = None
     # Decode attention in C straight from the paged cache (layers/attention/native_decode.py), built on first
-    # use where a C compiler and AVX-512 are present; None: on for CPU, off on CUDA (flashinfer's job there).
+    # use where a C compiler and AVX-512 are present; None or True: on for CPU; never on CUDA (flashinfer's job).
     native_attention: bool | None = None
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
@@ -143,9 +143,8 @@ class EngineConfig:
 
     @property
     def native_attention_on(self) -> bool:
-        if self.native_attention is not None:
-            return self.native_attention
-        return self.device.startswith("cpu")
+        """CPU only (the kernels are CPU code); on unless turned off."""
+        return self.native_attention is not False and self.device.startswith("cpu")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:

@@ -224,6 +224,7 @@ def test_engine_config_turns_it_on_for_cpu_only():
 
     assert EngineConfig.from_env({}, device="cpu").native_attention_on
     assert not EngineConfig.from_env({}, device="cuda").native_attention_on
+    assert not EngineConfig.from_env({"TGI_VLM_NATIVE_ATTENTION": "1"}, device="cuda").native_attention_on
     assert not EngineConfig.from_env({"TGI_VLM_NATIVE_ATTENTION": "0"}, device="cpu").native_attention_on
 
 
