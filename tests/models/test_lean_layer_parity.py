@@ -43,12 +43,17 @@ def test_other_layers_keep_transformers_forward(arch):
     assert lean_layers(load_engine(arch)) == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_long_prefills_through_padded_outputs_stay_bit_for_bit(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,mkl", [("float32", True), ("float32", False), ("bfloat16", True)],
+                         ids=["float32-mkl", "float32-onednn", "bfloat16"])
+def test_long_prefills_through_padded_outputs_stay_bit_for_bit(dtype, mkl, monkeypatch):
     """Past 32 rows the lean layer writes its norms and SiLU x up straight into the packed linears' padded
-    buffers (`PaddedRows`): still transformers' values, bit for bit, beside decode rows."""
+    buffers (`PaddedRows`) when those pad their rows (oneDNN: bf16, and float32 without MKL; MKL's float32
+    products take the rows as they are): still transformers' values, bit for bit, beside decode rows."""
     from tgi_vlm.layers import cpu
     from tgi_vlm.testing.harness import Runner, make_request
+
+    if not mkl:
+        monkeypatch.setattr(cpu, "mkl_packs_float32", lambda: False)
 
     made = []
     empty = cpu.PaddedRows.empty
@@ -65,5 +70,8 @@ def test_long_prefills_through_padded_outputs_stay_bit_for_bit(dtype, monkeypatc
         runner.prefill([make_request(1, " ".join(words * 5), max_new_tokens=3)], batch_id=2)
         runner.run()
         runs.append(runner)
-    assert made, "no prefill was long enough to take the padded path"
+    if dtype == "float32" and mkl:
+        assert cpu.mkl_packs_float32() and not made  # MKL: nothing padded
+    else:
+        assert made, "no prefill was long enough to take the padded path"
     assert_identical_runs(*runs)

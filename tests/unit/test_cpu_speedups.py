@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -118,9 +119,20 @@ def test_packed_bf16_linear_equals_plain_linear_and_releases_the_plain_weight():
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16  # one copy of the weight, packed
 
 
-def test_packed_float32_linear_matches_plain_linear_to_float_rounding():
-    """oneDNN sums in another order than MKL: not bit-equal, within float32 rounding (the float32 parity
-    suites hold whole models to transformers' tokens and 1e-4 logits with it)."""
+def _without_mkl(monkeypatch) -> None:
+    """Float32 through oneDNN, as on a torch build without MKL (e.g. aarch64)."""
+    monkeypatch.setattr(cpu, "mkl_packs_float32", lambda: False)
+
+
+@pytest.mark.parametrize("mkl", [True, False], ids=["mkl", "onednn"])
+def test_packed_float32_linear_matches_plain_linear_to_float_rounding(monkeypatch, mkl):
+    """Packed kernels may sum in another order than `F.linear` (oneDNN always, MKL's packed GEMM for one row):
+    within float32 rounding (the float32 parity suites hold whole models to transformers' tokens and 1e-4 logits
+    with it)."""
+    if not mkl:
+        _without_mkl(monkeypatch)
+    elif not cpu.mkl_packs_float32():
+        pytest.fail("this torch build has no MKL packed GEMM: run the suite with the torch the project pins")
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
     plain = (layer.weight.detach().clone(), layer.bias.detach().clone())
@@ -131,11 +143,55 @@ def test_packed_float32_linear_matches_plain_linear_to_float_rounding():
     for x, want in zip(inputs, expected):
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
+    assert vars(layer)["_packed_weight"].mkl is mkl and vars(layer)["_packed_weight"].pads_rows is not mkl
 
 
-def test_float32_keeps_its_plain_weight_for_one_row_products_when_asked():
-    """One row (batch-1 decode) goes to MKL's GEMV on the kept plain weight: exactly F.linear; more rows
-    use the packed copy."""
+# shapes of the bench model's products: q/k/v fused, o, gate/up fused, down, the vision tower's, the patch embedding
+SERVED_SHAPES = [(768, 1280), (768, 768), (768, 5120), (2560, 768), (256, 768), (1024, 256), (1176, 256)]
+
+
+def test_mkl_packed_float32_layout_does_not_depend_on_the_row_count_it_was_packed_for():
+    """One packed copy serves every row count: from 2 rows up the product is bit-equal to that of a weight packed
+    for exactly that count (`MKL_PACK_ROWS`; `mkl::_mkl_linear` only runs the packed kernel when told the count),
+    and every count, one row included, is float32-accurate against a float64 product."""
+    torch.manual_seed(0)
+    for in_features, out_features in SERVED_SHAPES:
+        weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+        packed = cpu.PackedWeight(weight, keep_one_row=False)
+        assert packed.mkl and packed.one_row is None
+        for rows in (1, 2, 3, 13, 17, 32, 33, 100, 301, 1030):
+            x = torch.randn(rows, in_features)
+            got = packed(x, bias)
+            want = F.linear(x.double(), weight.double(), bias.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * in_features ** 0.5)
+            if rows >= 2:
+                exact = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                torch.testing.assert_close(got, torch.ops.mkl._mkl_linear(x, exact, weight, bias, rows), rtol=0, atol=0)
+
+
+def test_mkl_packed_float32_takes_any_row_count_without_padding():
+    """No kernel per row count: a padded input is multiplied as its logical rows, priming builds nothing, and
+    empty inputs give empty outputs."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64)
+    packed = cpu.PackedWeight(weight, keep_one_row=True)
+    assert not packed.pads_rows and not cpu.pads_rows(torch.float32) and cpu.pads_rows(torch.bfloat16)
+    padded = cpu.PaddedRows.empty((1, 40), 64, torch.float32)
+    padded.logical().copy_(torch.randn(1, 40, 64))
+    got = packed(padded, None)
+    assert got.shape == (1, 40, 48)
+    torch.testing.assert_close(got, F.linear(padded.logical(), weight), rtol=0, atol=0)
+    assert packed(torch.randn(0, 64), None).shape == (0, 48)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    cpu.pack_linear_weights(model)
+    model(torch.randn(5, 64))  # packs
+    assert cpu.prime_packed_kernels(model, 300) == (0, 0)
+
+
+def test_float32_keeps_its_plain_weight_for_one_row_products_when_asked(monkeypatch):
+    """Without MKL (oneDNN for float32): one row (batch-1 decode) goes to the GEMV on the kept plain weight:
+    exactly F.linear; more rows use the packed copy."""
+    _without_mkl(monkeypatch)
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
     plain = (layer.weight.detach().clone(), layer.bias.detach().clone())

@@ -17,12 +17,14 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
 - Weight reorders and MKL's small-row products. A bfloat16 linear through `F.linear` reorders its
   weight into oneDNN's blocked layout on every call; `pack_linear_weights` keeps the weight packed
   (done once, lazily on the model thread, the plain copy released): a bf16 decode step 28 -> 25 ms.
-  Float32 linears are packed too: MKL's sgemm streams the weights at ~9 GB/s for 13 rows here where
-  oneDNN's packed kernel reaches ~17 GB/s (all 84 decode linears of the bench model: 38 -> 21 ms at
-  13 rows, 30 -> 22 ms at 16, 37 -> 29 ms at 32), the product a decode batch computes. One row is the
-  exception (MKL's GEMV 12 ms, packed 15 ms: a batch-1 decode step ~20% slower), so float32 keeps
-  the plain weight too for one-row products when that second copy is cheap (`keep_one_row_copies`). Packed float32 sums in
-  another order than MKL (~1e-6 apart); the float32 parity suites hold with it. The language
+  Float32 linears are packed too, with MKL's own packed GEMM (`cblas_sgemm_pack` / `_compute` through
+  torch's `mkl::_mkl_linear`) where torch has MKL: plain sgemm streams the weights at ~9 GB/s for 13
+  rows here where a packed kernel reaches ~15-19 GB/s (the bench model's 48 fused decode linears:
+  44 -> 25 ms at 13 rows), and at prefill sizes MKL's packed kernel is faster than oneDNN's (288 rows:
+  359 vs 303 GFLOP/s on 2 threads) and builds nothing per row count, so float32 rows are not padded.
+  Like oneDNN's, its sums are not always in plain sgemm's order (float32 rounding apart). Without MKL (e.g. aarch64 builds) float32 goes through oneDNN like bf16, padded,
+  and keeps the plain weight for one-row products when that second copy is cheap
+  (`keep_one_row_copies`; oneDNN's one-row kernel is ~20% slower than MKL's GEMV). The language
   model's q/k/v and gate/up projections are also fused into one packed product each
   (layers/cpu_fused.py): the same bytes, fewer and larger calls.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
@@ -151,17 +153,45 @@ def bucket_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
+def mkl_packs_float32() -> bool:
+    """Whether this torch build multiplies float32 with MKL's packed GEMM (`mkl::_mkl_linear`)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pads_rows(dtype: torch.dtype) -> bool:
+    """Whether a packed linear of this dtype pads its rows to `row_bucket` (oneDNN builds a kernel per row
+    count; MKL's float32 packed GEMM does not)."""
+    return dtype != torch.float32 or not mkl_packs_float32()
+
+
+# The row count MKL packs for. Its packed layout is the same for every count from 2 rows up (checked for the
+# shapes served here: bit-equal to packing for the exact count, tests/unit/test_cpu_speedups.py), and
+# `mkl::_mkl_linear` takes the packed path only when told the count it sees, so each call passes its own.
+MKL_PACK_ROWS = 64
+
+
 class PackedWeight:
-    """A linear weight in oneDNN's packed layout (no reorder per call), plus, for float32 when memory
-    allows, the plain weight for one-row products: MKL's GEMV streams it faster than oneDNN's packed
-    kernel (84 decode linears of the bench model: 12 vs 15 ms), which would make batch-1 decode ~20%
-    slower. Made on first use, on the thread that runs the model (see `_pack`)."""
+    """A linear weight packed once for its kernel (no reorder per call): MKL's packed GEMM for float32 where
+    torch has MKL, else oneDNN's blocked layout, plus, for oneDNN float32 when memory allows, the plain weight
+    for one-row products: MKL's GEMV streams it faster than oneDNN's packed kernel (84 decode linears of the
+    bench model: 12 vs 15 ms). Made on first use, on the thread that runs the model (see `_pack`)."""
 
     def __init__(self, weight: torch.Tensor, *, keep_one_row: bool):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-        self.one_row = weight if keep_one_row and weight.dtype == torch.float32 else None
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.mkl = weight.dtype == torch.float32 and mkl_packs_float32()
+        if self.mkl:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+            # `_mkl_linear` reads only the plain weight's shape and dtype on its packed path: a stand-in without storage
+            self.shape_of = weight.new_zeros(()).expand(weight.shape)
+            self.one_row = None
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        self.one_row = weight if keep_one_row and weight.dtype == torch.float32 else None
+
+    @property
+    def pads_rows(self) -> bool:
+        return not self.mkl
 
     def key(self, bias: torch.Tensor | None) -> tuple:
         """What oneDNN keys its kernel on, besides the rows."""
@@ -169,6 +199,8 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor | PaddedRows, bias: torch.Tensor | None) -> torch.Tensor:
         """x `[..., in]` (or already padded) -> `[..., out]`."""
+        if self.mkl:
+            return self._mkl_product(x.logical() if isinstance(x, PaddedRows) else x, bias)
         if isinstance(x, PaddedRows):
             out = torch.ops.mkldnn._linear_pointwise(x.buffer, self.packed, bias, "none", [], "")
             return out[: x.rows].view(*x.shape, out.shape[-1])
@@ -177,6 +209,11 @@ class PackedWeight:
         flat, rows = padded_rows(x)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], out.shape[-1])
+
+    def _mkl_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, self.shape_of, bias, rows)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def _packed_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -237,8 +274,10 @@ def prime_packed_kernels(model: torch.nn.Module, max_rows: int, *, row_caps: dic
     warmup batch (which packs the weights it uses). Smallest buckets first, while `budget_s` lasts (checked
     before each bucket): a large model's big products cost far more than their kernel's build, so leaving
     them to build on first use loses nothing. `row_caps`: modules that never see more rows than this (the
-    lm-head: one row per sequence, or logprob chunks). Returns (products run, largest bucket primed)."""
-    products, start, count, done = packed_products(model, row_caps), clock(), 0, 0
+    lm-head: one row per sequence, or logprob chunks). MKL's float32 products build nothing and are skipped.
+    Returns (products run, largest bucket primed)."""
+    products = [product for product in packed_products(model, row_caps) if product[0].pads_rows]  # MKL: nothing to build
+    start, count, done = clock(), 0, 0
     with torch.inference_mode():
         for rows in row_buckets(max_rows) if products else ():
             if clock() - start > budget_s:

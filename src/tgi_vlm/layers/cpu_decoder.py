@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
-from tgi_vlm.layers.cpu import PaddedRows, _packed_linear_forward, row_bucket
+from tgi_vlm.layers.cpu import PaddedRows, _packed_linear_forward, pads_rows, row_bucket
 from tgi_vlm.layers.cpu_fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -81,8 +81,8 @@ PADDED_OUTPUTS = True  # benchmarks/cpu_paths.py turns it off to measure what wr
 
 def _padded_for_linear(x: torch.Tensor) -> PaddedRows | None:
     """A padded buffer for an output of x's shape that a packed linear takes next, when its rows get padded
-    (past 32 rows); None: the plain tensor is as good."""
-    if not PADDED_OUTPUTS:
+    (past 32 rows, and not for MKL's float32 products, which take any row count); None: the plain tensor is as good."""
+    if not PADDED_OUTPUTS or not pads_rows(x.dtype):
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return PaddedRows.empty(tuple(x.shape[:-1]), x.shape[-1], x.dtype) if row_bucket(rows) != rows else None
