@@ -11,6 +11,8 @@ Paths (each alone, everything else at its default):
   torch's operations.
 - `padded-outputs`: the lean layer writing its norms and SiLU x up into the packed linears' padded buffers
   (`PaddedRows`) vs each linear padding its input (a copy and a zero fill per linear past 32 rows).
+- `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (layers/skinny_linear.py,
+  a second copy of each weight) vs MKL's packed kernel.
 - `mkl-float32` (float32 only): float32 linears through MKL's packed GEMM (`PackedWeight.mkl`, rows as they are)
   vs oneDNN's packed kernel with padded rows (what a torch build without MKL runs).
 
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 import tgi_vlm.layers.attention.torch_backend as torch_backend
 import tgi_vlm.layers.cpu as cpu
 import tgi_vlm.layers.cpu_decoder as cpu_decoder
+import tgi_vlm.layers.skinny_linear as skinny_linear
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.layers.cpu_decoder import remove_lean_layers
 from tgi_vlm.models import get_model
@@ -85,6 +88,8 @@ class Side:
             cpu_decoder.NATIVE_ROTARY = self.with_path
         if self.path == "padded-outputs":
             cpu_decoder.PADDED_OUTPUTS = self.with_path
+        if self.path == "skinny-linear":  # read when a weight is packed (lazily, in this side's first step)
+            skinny_linear.ENABLED = self.with_path
         if self.path == "mkl-float32":  # read when a weight is packed (lazily, in this side's first step) and per step
             cpu.mkl_packs_float32 = MKL_PACKS_FLOAT32 if self.with_path else (lambda: False)
 
@@ -116,6 +121,7 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
     torch_backend.causal_attention = PADDED_CAUSAL
     cpu_decoder.NATIVE_ROTARY = cpu_decoder.PADDED_OUTPUTS = True
     cpu.mkl_packs_float32 = MKL_PACKS_FLOAT32
+    skinny_linear.ENABLED = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
     out = {"path": path, "dtype": dtype, "threads": torch.get_num_threads(), "decode_rows": DECODE_ROWS,
            "tokens_equal": sides[0].tokens == sides[1].tokens,
@@ -139,8 +145,8 @@ def markdown(results: list[dict]) -> str:
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
             "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
-            "lean-layers, native-rotary and padded-outputs are bit-exact, so they must be; causal-padding, native-attention and "
-            "mkl-float32 sum in another order "
+            "lean-layers, native-rotary and padded-outputs are bit-exact, so they must be; causal-padding, native-attention, "
+            "mkl-float32 and skinny-linear sum in another order "
             "(about one bf16 ulp), "
             "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
             "tests/models/test_bf16_parity.py).\n")
@@ -150,15 +156,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention", "native-rotary",
-                                                       "padded-outputs", "mkl-float32"))
+                                                       "padded-outputs", "mkl-float32", "skinny-linear"))
     parser.add_argument("--decode-steps", type=int, default=60)
     parser.add_argument("--prefill-steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary", "padded-outputs"]
-    if "mkl-float32" in paths and args.dtype != "float32":
-        parser.error("--path mkl-float32 compares float32 kernels: add --dtype float32")
+    if {"mkl-float32", "skinny-linear"} & set(paths) and args.dtype != "float32":
+        parser.error("--path mkl-float32 / skinny-linear compare float32 kernels: add --dtype float32")
     results = [measure(p, args.dtype, args.decode_steps, args.prefill_steps) for p in paths]
     RESULTS.mkdir(exist_ok=True)
     name = "cpu_paths" if args.path is None else "cpu_paths-" + "-".join(paths)  # one path's run keeps the others'

@@ -60,7 +60,7 @@ def test_patch_conv_multiplies_with_a_packed_weight():
     torch.manual_seed(0)
     conv = torch.nn.Conv3d(3, 32, kernel_size=(2, 14, 14), stride=(2, 14, 14)).to(torch.bfloat16)
     weight, bias = conv.weight.detach().reshape(32, -1).clone(), conv.bias.detach().clone()
-    direct = cpu.PackedWeight(weight, keep_one_row=False)
+    direct = cpu.PackedWeight(weight, decode_copy=False)
     assert cpu.convs_as_linear(torch.nn.Sequential(conv)) == 1
     for patches in (1, 7, 33, 100, 257, 1030):
         x = torch.randn(patches, 3, 2, 14, 14, dtype=torch.bfloat16)
@@ -157,7 +157,7 @@ def test_mkl_packed_float32_layout_does_not_depend_on_the_row_count_it_was_packe
     torch.manual_seed(0)
     for in_features, out_features in SERVED_SHAPES:
         weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
-        packed = cpu.PackedWeight(weight, keep_one_row=False)
+        packed = cpu.PackedWeight(weight, decode_copy=False)
         assert packed.mkl and packed.one_row is None
         for rows in (1, 2, 3, 13, 17, 32, 33, 100, 301, 1030):
             x = torch.randn(rows, in_features)
@@ -174,7 +174,7 @@ def test_mkl_packed_float32_takes_any_row_count_without_padding():
     empty inputs give empty outputs."""
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
-    packed = cpu.PackedWeight(weight, keep_one_row=True)
+    packed = cpu.PackedWeight(weight, decode_copy=True)
     assert not packed.pads_rows and not cpu.pads_rows(torch.float32) and cpu.pads_rows(torch.bfloat16)
     padded = cpu.PaddedRows.empty((1, 40), 64, torch.float32)
     padded.logical().copy_(torch.randn(1, 40, 64))
@@ -195,7 +195,7 @@ def test_float32_keeps_its_plain_weight_for_one_row_products_when_asked(monkeypa
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
     plain = (layer.weight.detach().clone(), layer.bias.detach().clone())
-    assert cpu.pack_linear_weights(torch.nn.Sequential(layer), keep_one_row=True) == 1
+    assert cpu.pack_linear_weights(torch.nn.Sequential(layer), decode_copy=True) == 1
     one = torch.randn(1, 1, 64)
     torch.testing.assert_close(layer(one), F.linear(one, *plain), rtol=0, atol=0)
     many = torch.randn(1, 9, 64)
@@ -204,8 +204,8 @@ def test_float32_keeps_its_plain_weight_for_one_row_products_when_asked(monkeypa
 
 
 def test_one_row_copies_are_kept_only_for_float32_weights_small_against_memory():
-    assert cpu.keep_one_row_copies(torch.nn.Linear(64, 48)) is True
-    assert cpu.keep_one_row_copies(torch.nn.Linear(64, 48).to(torch.bfloat16)) is False
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48)) is True
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48).to(torch.bfloat16)) is False
 
 
 def test_shared_and_float16_weights_are_not_packed():

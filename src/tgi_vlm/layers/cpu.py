@@ -24,7 +24,7 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   359 vs 303 GFLOP/s on 2 threads) and builds nothing per row count, so float32 rows are not padded.
   Like oneDNN's, its sums are not always in plain sgemm's order (float32 rounding apart). Without MKL (e.g. aarch64 builds) float32 goes through oneDNN like bf16, padded,
   and keeps the plain weight for one-row products when that second copy is cheap
-  (`keep_one_row_copies`; oneDNN's one-row kernel is ~20% slower than MKL's GEMV). The language
+  (`decode_copies_fit`; oneDNN's one-row kernel is ~20% slower than MKL's GEMV). The language
   model's q/k/v and gate/up projections are also fused into one packed product each
   (layers/cpu_fused.py): the same bytes, fewer and larger calls.
 - Patch embeddings written as convolutions. Qwen2-VL's patch embed is a Conv3d whose kernel is
@@ -172,22 +172,28 @@ MKL_PACK_ROWS = 64
 
 class PackedWeight:
     """A linear weight packed once for its kernel (no reorder per call): MKL's packed GEMM for float32 where
-    torch has MKL, else oneDNN's blocked layout, plus, for oneDNN float32 when memory allows, the plain weight
-    for one-row products: MKL's GEMV streams it faster than oneDNN's packed kernel (84 decode linears of the
-    bench model: 12 vs 15 ms). Made on first use, on the thread that runs the model (see `_pack`)."""
+    torch has MKL, else oneDNN's blocked layout. With `decode_copy` (float32, when memory allows: see
+    `decode_copies_fit`) a second copy serves decode-sized products: with MKL, the native skinny loop's layout
+    (layers/skinny_linear.py: the bench model's 48 decode products at 13 rows 26.8 -> 17.3 ms); with oneDNN, the
+    plain weight for one-row products (MKL's GEMV streams it faster than oneDNN's packed kernel: 84 decode linears
+    of the bench model 12 vs 15 ms). Made on first use, on the thread that runs the model (see `_pack`)."""
 
-    def __init__(self, weight: torch.Tensor, *, keep_one_row: bool):
+    def __init__(self, weight: torch.Tensor, *, decode_copy: bool):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.mkl = weight.dtype == torch.float32 and mkl_packs_float32()
+        self.one_row, self.skinny = None, None
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
             # `_mkl_linear` reads only the plain weight's shape and dtype on its packed path: a stand-in without storage
             self.shape_of = weight.new_zeros(()).expand(weight.shape)
-            self.one_row = None
+            if decode_copy:
+                from tgi_vlm.layers.skinny_linear import skinny_weight
+
+                self.skinny = skinny_weight(weight)
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-        self.one_row = weight if keep_one_row and weight.dtype == torch.float32 else None
+        self.one_row = weight if decode_copy and weight.dtype == torch.float32 else None
 
     @property
     def pads_rows(self) -> bool:
@@ -212,6 +218,8 @@ class PackedWeight:
 
     def _mkl_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.skinny is not None and self.skinny.takes(rows):
+            return self.skinny(x, bias)
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, self.shape_of, bias, rows)
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -227,7 +235,7 @@ def _pack(module: torch.nn.Linear) -> PackedWeight:
     """Pack on first use, on the thread that runs the model: weights packed on another thread (the
     loading one) made a bf16 decode step 1.6x slower (39 vs 25 ms). The plain weight's storage is
     then released unless kept for one-row products (the parameter keeps its dtype and name)."""
-    weight = PackedWeight(module.weight.detach(), keep_one_row=module.__dict__.get("_keep_one_row", False))
+    weight = PackedWeight(module.weight.detach(), decode_copy=module.__dict__.get("_decode_copy", False))
     module.__dict__["_packed_weight"] = weight
     if weight.one_row is None:
         module.weight.data = module.weight.data.new_empty(0)
@@ -290,9 +298,9 @@ def prime_packed_kernels(model: torch.nn.Module, max_rows: int, *, row_caps: dic
     return count, done
 
 
-def keep_one_row_copies(model: torch.nn.Module) -> bool:
-    """Whether float32 packed linears also keep their plain weight (for one-row products): when those
-    weights take at most 1/16 of the memory this process may use, so the second copy is cheap."""
+def decode_copies_fit(model: torch.nn.Module) -> bool:
+    """Whether float32 packed linears also keep a second copy for decode-sized products (`PackedWeight`): when
+    those weights take at most 1/16 of the memory this process may use, so the second copy is cheap."""
     fp32_bytes = sum(m.weight.numel() * 4 for m in model.modules()
                      if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
     memory = _usable_memory()
@@ -315,11 +323,12 @@ def _usable_memory() -> int | None:
     return memory
 
 
-def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -> int:
+def pack_linear_weights(model: torch.nn.Module, *, decode_copy: bool = False) -> int:
     """bfloat16 and float32 linears whose weight no other module shares (an lm-head tied to the
-    embeddings is left alone) multiply with a oneDNN-prepacked copy of their weight: no reorder per
-    call. Rows are padded as `bucket_linear_rows` does (oneDNN builds a kernel per row count in either
-    dtype). `keep_one_row`: float32 ones keep the plain weight too (`PackedWeight`). Returns the count."""
+    embeddings is left alone) multiply with a prepacked copy of their weight (`PackedWeight`: MKL's for float32
+    where torch has MKL, else oneDNN's): no reorder per call. oneDNN's rows are padded as `bucket_linear_rows`
+    does (it builds a kernel per row count). `decode_copy`: float32 ones keep a second copy for decode-sized products (`PackedWeight`). Returns
+    the count."""
     if not can_pack_weights():
         return 0
     owners = collections.Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
@@ -327,7 +336,7 @@ def pack_linear_weights(model: torch.nn.Module, *, keep_one_row: bool = False) -
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype in PACKED_DTYPES and owners[id(module.weight)] == 1:
             module.forward = types.MethodType(_packed_linear_forward, module)
-            module.__dict__["_keep_one_row"] = keep_one_row
+            module.__dict__["_decode_copy"] = decode_copy
             count += 1
     return count
 
@@ -343,7 +352,7 @@ def _conv_as_linear_forward(self: torch.nn.Conv3d | torch.nn.Conv2d, x: torch.Te
         # met: 4.8 vs 0.5 ms). Made on first use, on the model thread; the plain weight stays for inputs
         # larger than one kernel. bf16 sums may round differently from the unpadded product (one ulp).
         weight = self.__dict__["_packed_weight"] = PackedWeight(self.weight.detach().reshape(self.out_channels, -1),
-                                                                keep_one_row=False)
+                                                                decode_copy=False)
     if weight is None:
         out = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
     else:
@@ -391,10 +400,10 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
     size_kernel_cache()
     convs = convs_as_linear(model, pack=not sharded)
     linears = 0 if sharded else bucket_linear_rows(model)
-    keep_one_row = keep_one_row_copies(model)
-    packed = 0 if sharded else pack_linear_weights(model, keep_one_row=keep_one_row)
+    decode_copy = decode_copies_fit(model)
+    packed = 0 if sharded else pack_linear_weights(model, decode_copy=decode_copy)
     # last: a fused member's forward replaces the packed one set just above (packing is lazy, so none happened)
-    fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model, keep_one_row=keep_one_row)
+    fused = 0 if sharded or language_model is None else fuse_sibling_projections(language_model, decode_copy=decode_copy)
     # after fusing: a lean layer slices its fused products itself (layers/cpu_decoder.py)
     lean = install_lean_layers(language_model) if fused else 0
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} bf16/fp16 linear layer(s) pad their "

@@ -32,10 +32,10 @@ _GROUPS_ATTR = "_tgi_vlm_fused_projections"  # on the owning module: {member nam
 
 
 class FusedProjections:
-    def __init__(self, members: list[torch.nn.Linear], *, keep_one_row: bool = False):
+    def __init__(self, members: list[torch.nn.Linear], *, decode_copy: bool = False):
         self.members = members
         self.widths = [m.out_features for m in members]
-        self.keep_one_row = keep_one_row
+        self.decode_copy = decode_copy
         self.weight: PackedWeight | None = None
         self.bias: torch.Tensor | None = None
         self._input: torch.Tensor | None = None
@@ -67,7 +67,7 @@ class FusedProjections:
     def _pack(self) -> None:
         """On first use, on the model thread (see layers/cpu.py `_pack`); the members' plain weights are
         released (the parameters keep their dtype and names)."""
-        self.weight = PackedWeight(torch.cat([m.weight.detach() for m in self.members]), keep_one_row=self.keep_one_row)
+        self.weight = PackedWeight(torch.cat([m.weight.detach() for m in self.members]), decode_copy=self.decode_copy)
         if self.members[0].bias is not None:
             self.bias = torch.cat([m.bias.detach() for m in self.members])
         for m in self.members:
@@ -90,9 +90,9 @@ def _fusable(members: list) -> bool:
             and len({m.bias is None for m in members}) == 1)
 
 
-def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: bool = False) -> int:
+def fuse_sibling_projections(language_model: torch.nn.Module, *, decode_copy: bool = False) -> int:
     """Give every q/k/v and gate/up group of `language_model` one fused, packed product (see above).
-    Weights another module shares are left alone. `keep_one_row`: as `pack_linear_weights`. Returns
+    Weights another module shares are left alone. `decode_copy`: as `pack_linear_weights`. Returns
     the number of groups fused."""
     if not can_pack_weights():
         return 0
@@ -109,7 +109,7 @@ def fuse_sibling_projections(language_model: torch.nn.Module, *, keep_one_row: b
             if any(owners.get(id(m.weight), 0) != 1 or id(m) in taken for m in members):
                 continue  # a weight or a layer shared with another module: left alone
             taken.update(id(m) for m in members)
-            group = FusedProjections(members, keep_one_row=keep_one_row)
+            group = FusedProjections(members, decode_copy=decode_copy)
             module.__dict__.setdefault(_GROUPS_ATTR, {})[names] = group
             for index, m in enumerate(members):
                 m.forward = types.MethodType(_member_forward(group, index), m)

@@ -15,7 +15,8 @@ no AVX-512, another OS or architecture, or a build error: a warning, and decode 
 path (the decode mirror). `TGI_VLM_NATIVE_ATTENTION=0` turns it off.
 
 The same library holds `rotary_and_store` (native/rotary_kv.c): the lean decoder layer's rotary of the query and
-key heads and the K/V store into the cache in one pass, bit-equal to torch's operations.
+key heads and the K/V store into the cache in one pass, bit-equal to torch's operations; and `skinny_linear`
+(native/skinny_linear.c): float32 linears for decode-sized row counts (layers/skinny_linear.py).
 
 What the attention computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
 of scaled q·k over positions [start, end) of its sequence, times V; float32 and bfloat16 (AVX-512F), head
@@ -49,6 +50,9 @@ SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 # without contracting a * b + c into one fused multiply-add (each product is rounded, as torch rounds it).
 ROTARY_SOURCE = Path(__file__).with_name("native") / "rotary_kv.c"
 ROTARY_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-c")
+# Float32 linears for few rows: intrinsics only (no -ffast-math: nothing to gain, and sums stay as written).
+LINEAR_SOURCE = Path(__file__).with_name("native") / "skinny_linear.c"
+LINEAR_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-c")
 ABI_VERSION = 1  # decode_attention.c's ABI_VERSION
 # Compiled with -ffast-math (glibc's vector expf needs it) but linked without it: linked with it, GCC < 13 adds
 # crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole process on load.
@@ -70,7 +74,8 @@ def cache_dir() -> Path:
 
 
 class NativeDecodeAttention:
-    """The loaded library: which dtypes it computes, and the call."""
+    """The loaded library: which dtypes its decode attention computes, and the calls (decode attention, rotary + K/V
+    store, float32 skinny linears)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
@@ -83,8 +88,33 @@ class NativeDecodeAttention:
         self._rotary.argtypes = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
                                  ctypes.c_int]
         self._rotary.restype = ctypes.c_int
+        self._linear = library.tgi_vlm_skinny_linear
+        self._linear.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+        self.linear_max_rows = library.tgi_vlm_skinny_max_rows()
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.dtypes = frozenset(dtype for dtype, code in _DTYPE_CODES.items() if codes & code)
+
+    def skinny_linear(self, x: torch.Tensor, blocked: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                      ) -> torch.Tensor:
+        """float32 `x` `[rows, in]` (1 <= rows <= `linear_max_rows`, contiguous) times a weight in
+        `skinny_linear.blocked_weight`'s layout, plus `bias` `[out]`: `[rows, out]`."""
+        rows, in_features = x.shape
+        if not (x.dtype == blocked.dtype == torch.float32 and x.is_contiguous() and blocked.is_contiguous()
+                and 1 <= rows <= self.linear_max_rows and blocked.shape[1:] == (in_features, 16)
+                and blocked.shape[0] * 16 >= out_features > blocked.shape[0] * 16 - 32 and blocked.data_ptr() % 64 == 0
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (out_features,)
+                                      and bias.is_contiguous()))):
+            raise ValueError(f"skinny_linear: inconsistent inputs (x {tuple(x.shape)} {x.dtype}, weight "
+                             f"{tuple(blocked.shape)} {blocked.dtype}, {out_features} outputs)")
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+        status = self._linear(x.data_ptr(), rows, in_features, blocked.data_ptr(), out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise MemoryError("skinny_linear: no memory for the transposed input")
+        if status != 0:
+            raise RuntimeError(f"skinny_linear refused {rows} rows of {in_features} -> {out_features}")
+        return out
 
     def supports_cache(self, k_cache: torch.Tensor) -> bool:
         """Whether decode over this layer's flat cache `[slots, Hkv, D]` can run here (the query must match it)."""
@@ -242,10 +272,12 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two shards starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, obj, rotary_obj = (Path(scratch) / name for name in (target.name, "decode_attention.o", "rotary_kv.o"))
+        built, obj, rotary_obj, linear_obj = (Path(scratch) / name for name in (
+            target.name, "decode_attention.o", "rotary_kv.o", "skinny_linear.o"))
         for command in ([*compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
                         [*compiler, *ROTARY_FLAGS, str(ROTARY_SOURCE), "-o", str(rotary_obj)],
-                        [*compiler, str(obj), str(rotary_obj), "-o", str(built), *LINK_FLAGS]):
+                        [*compiler, *LINEAR_FLAGS, str(LINEAR_SOURCE), "-o", str(linear_obj)],
+                        [*compiler, str(obj), str(rotary_obj), str(linear_obj), "-o", str(built), *LINK_FLAGS]):
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise RuntimeError(f"{command[0]} exited {result.returncode}: {result.stderr.strip()[-800:]}")
@@ -259,7 +291,8 @@ def _cache_key(compiler: list[str]) -> str:
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(ROTARY_SOURCE.read_bytes())
-    digest.update(repr((ABI_VERSION, COMPILE_FLAGS, ROTARY_FLAGS, LINK_FLAGS, compiler)).encode())
+    digest.update(LINEAR_SOURCE.read_bytes())
+    digest.update(repr((ABI_VERSION, COMPILE_FLAGS, ROTARY_FLAGS, LINEAR_FLAGS, LINK_FLAGS, compiler)).encode())
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
     digest.update(version.stdout.encode())
     digest.update(_cpu_flags().encode())

@@ -1,0 +1,130 @@
+/* Float32 linear layers for few rows (decode batches) on x86-64 CPUs with AVX-512: y = x W^T + b for up to MAX_ROWS
+   rows (tgi_vlm/layers/skinny_linear.py lays the weight out and calls this; F.linear is the reference it is tested
+   against).
+
+   Why: a decode step multiplies a handful of rows by every weight once, so its speed is how fast the weights stream
+   from memory. On the 2-core host measured, MKL's packed kernel streams the bench model's float32 decode weights at
+   ~13-15 GB/s for 13 rows (oneDNN's alike), this loop at ~21-23 GB/s (~23-27 GB/s for one row): it has no work
+   besides the products and prefetches the weights ahead of them (benchmarks/skinny_linear.py).
+
+   Weight layout (made once, `skinny_linear.blocked_weight`): columns in blocks of 16, each block k-major
+   ([N/16][K][16]), so one 64-byte load is 16 columns' weights for one k. N is padded to a multiple of 32 with zero
+   columns.
+
+   Work: pairs of column blocks (32 outputs), shared out by OpenMP over the thread pool torch uses. For a pair and a
+   tile of up to ROW_TILE rows (rows split into equal tiles), 2 x ROW_TILE accumulators stay in registers over a
+   chunk of K_CHUNK k: per k, two weight vectors times each row's x[k], broadcast, with FMAs. x is transposed once
+   per call to xt[K][rows], so a k step reads consecutive floats. Sums are float32 in k order within a chunk, the
+   chunks' sums added in order: not MKL's order, within float32 rounding of it (~1e-6 relative; the accuracy test
+   holds it to twice MKL's own error against float64). Bias is added last. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_ROWS 32
+#define ROW_TILE 14   /* 2 x 14 accumulators + 2 weight vectors + 1 broadcast = 31 of the 32 vector registers */
+#define K_CHUNK 256   /* partial sums per chunk: rounding error grows with the chunk, not with K */
+#define PREFETCH_K 64 /* k steps ahead (4 KB per block); 13 rows, 12 layers, 2 threads: 20.5 ms without, 15.6 with */
+
+#if defined(__AVX512F__)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE __mmask16 columns_left(int64_t n, int64_t col) {
+    int64_t left = n - col;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+}
+
+/* Blocks w0, w1 (16 columns each, k-major) over kc steps, times R rows of xt (row stride `stride` floats per k). */
+ALWAYS_INLINE void tile(const int R, const float* xt, int64_t stride, const float* w0, const float* w1, int64_t kc,
+                        __m512* part0, __m512* part1) {
+    __m512 a0[ROW_TILE], a1[ROW_TILE];
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kc; ++i) {
+        _mm_prefetch((const char*)(w0 + (i + PREFETCH_K) * 16), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w1 + (i + PREFETCH_K) * 16), _MM_HINT_T0);
+        __m512 v0 = _mm512_load_ps(w0 + i * 16), v1 = _mm512_load_ps(w1 + i * 16);
+        const float* xk = xt + i * stride;
+#pragma GCC unroll 14
+        for (int r = 0; r < R; ++r) {
+            __m512 b = _mm512_set1_ps(xk[r]);
+            a0[r] = _mm512_fmadd_ps(v0, b, a0[r]);
+            a1[r] = _mm512_fmadd_ps(v1, b, a1[r]);
+        }
+    }
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+        part0[r] = a0[r];
+        part1[r] = a1[r];
+    }
+}
+
+/* `tile` with R a compile-time constant in each case, so its accumulators are registers. */
+ALWAYS_INLINE void tile_rows(int R, const float* xt, int64_t stride, const float* w0, const float* w1, int64_t kc,
+                             __m512* part0, __m512* part1) {
+    switch (R) {
+#define CASE(n) \
+    case n: tile(n, xt, stride, w0, w1, kc, part0, part1); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+        CASE(14)
+#undef CASE
+    }
+}
+
+/* Output columns [32 pair, 32 pair + 32) for every row. */
+static void pair_of_blocks(const float* xt, int64_t rows, int64_t k, const float* w, int64_t n, int64_t pair,
+                           const float* bias, float* y) {
+    const float* w0 = w + (size_t)(2 * pair) * (size_t)k * 16;
+    const float* w1 = w0 + (size_t)k * 16;
+    const int64_t col = pair * 32;
+    const __mmask16 mask0 = columns_left(n, col), mask1 = columns_left(n, col + 16);
+    const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(mask0, bias + col) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + col + 16) : _mm512_setzero_ps();
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE, per_tile = (rows + tiles - 1) / tiles;
+    for (int64_t r0 = 0; r0 < rows; r0 += per_tile) {
+        const int R = (int)(rows - r0 < per_tile ? rows - r0 : per_tile);
+        __m512 acc0[ROW_TILE], acc1[ROW_TILE], part0[ROW_TILE], part1[ROW_TILE];
+        for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK) {
+            const int64_t kc = k - k0 < K_CHUNK ? k - k0 : K_CHUNK;
+            tile_rows(R, xt + k0 * rows + r0, rows, w0 + k0 * 16, w1 + k0 * 16, kc, part0, part1);
+            for (int r = 0; r < R; ++r) {
+                acc0[r] = _mm512_add_ps(acc0[r], part0[r]);
+                acc1[r] = _mm512_add_ps(acc1[r], part1[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            float* yr = y + (size_t)(r0 + r) * (size_t)n;
+            _mm512_mask_storeu_ps(yr + col, mask0, _mm512_add_ps(acc0[r], bias0));
+            _mm512_mask_storeu_ps(yr + col + 16, mask1, _mm512_add_ps(acc1[r], bias1));
+        }
+    }
+}
+
+/* y[rows][n] = x[rows][k] W^T (+ bias[n]), float32; x, y row-major and contiguous; w in the blocked layout above
+   (n padded to a multiple of 32, 64-byte aligned), on `threads` OpenMP threads. Returns 0; -1 for rows outside 1..MAX_ROWS or an empty k or n;
+   -2 when memory for xt cannot be had. */
+int tgi_vlm_skinny_linear(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, const float* bias,
+                          float* y, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1) return -1;
+    float* xt = (float*)aligned_alloc(64, ((size_t)(k * rows) * 4 + 63) / 64 * 64);
+    if (xt == NULL) return -2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < k; ++i) xt[i * rows + r] = x[r * k + i];
+    const int64_t pairs = (n + 31) / 32;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t p = 0; p < pairs; ++p) pair_of_blocks(xt, rows, k, w, n, p, bias, y);
+    free(xt);
+    return 0;
+}
+
+int tgi_vlm_skinny_max_rows(void) { return MAX_ROWS; }
+
+#else /* no AVX-512: nothing runs here (the loader reads max rows 0) */
+int tgi_vlm_skinny_linear(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, const float* bias,
+                          float* y, int threads) {
+    (void)x, (void)rows, (void)k, (void)w, (void)n, (void)bias, (void)y, (void)threads;
+    return -1;
+}
+int tgi_vlm_skinny_max_rows(void) { return 0; }
+#endif
