@@ -1,15 +1,27 @@
 """The lean decoder-layer forward (layers/cpu_decoder.py, on by default on CPU) and transformers' own
 layer forward give the same logits, bit for bit, and the same tokens: prefill chunks next to decode
 rows, requests joining and finishing at different steps, in float32 and bfloat16. The parity suites
-compare the default (lean) path with transformers' generate; this pins it to the layer it replaces."""
+compare the default (lean) path with transformers' generate; this pins it to the layer it replaces.
+
+Bit for bit with torch's RMSNorm (`NATIVE_NORM` off, set here for every test but the last ones); the native
+RMSNorm, on by default where the native library loads, sums its squares in double, so with it the logits agree
+to float32 rounding and the tokens are equal (the last tests)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import load_engine
-from tests.models.test_decode_mirror_parity import assert_identical_runs, run
+from tests.models.test_decode_mirror_parity import _native_kernel_here, assert_identical_runs, run
+from tgi_vlm.layers import cpu_decoder
 from tgi_vlm.layers.cpu_decoder import remove_lean_layers
+
+
+@pytest.fixture(autouse=True)
+def torch_rms_norm(request, monkeypatch):
+    if "native_norm" not in request.node.name:
+        monkeypatch.setattr(cpu_decoder, "NATIVE_NORM", False)
 
 # Every tiny architecture: those whose text layers are Llama-family get the lean forward.
 COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm")
@@ -75,3 +87,33 @@ def test_long_prefills_through_padded_outputs_stay_bit_for_bit(dtype, mkl, monke
     else:
         assert made, "no prefill was long enough to take the padded path"
     assert_identical_runs(*runs)
+
+
+needs_native = pytest.mark.skipif(not _native_kernel_here(), reason="the native library needs x86-64 with AVX-512 "
+                                                                     "and a C compiler")
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_vl", "idefics2"])
+def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to_float32_rounding(arch, monkeypatch):
+    """float32: an ulp here and there in the norms' outputs moves logits by up to ~3e-5 over a run; they stay within
+    the parity suites' 1e-4 of transformers' layers and the tokens are equal. The native norm must have run
+    (counted), and must have changed something (else this checks nothing)."""
+    from tgi_vlm.layers.attention.native_decode import NativeDecodeAttention
+
+    calls = []
+    real = NativeDecodeAttention.rms_norm
+    monkeypatch.setattr(NativeDecodeAttention, "rms_norm", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    lean_engine = load_engine(arch, dtype="float32")
+    plain_engine = load_engine(arch, dtype="float32")
+    remove_lean_layers(plain_engine.language_model)
+    requests = arch_for_requests(arch)
+    lean, plain = run(lean_engine, requests), run(plain_engine, requests)
+    assert calls, "the native norm did not run"
+    assert dict(lean.tokens) == dict(plain.tokens)
+    for rid, rows in plain.logits.items():
+        assert len(lean.logits[rid]) == len(rows)
+        for mine, theirs in zip(lean.logits[rid], rows):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-4)
+    assert any(not torch.equal(a, b) for rid in plain.logits for a, b in zip(lean.logits[rid], plain.logits[rid])), (
+        "bit-equal: the native norm's one-ulp differences should show somewhere (else this test checks nothing)")

@@ -11,15 +11,20 @@ transformers' Llama-family layers make. For layers whose q/k/v and gate/up proje
   element-wise `x * cos + rotate_half(x) * sin` as transformers' `apply_rotary_pos_emb`); with the torch
   backend's native library (CPU), that pass and the K/V store into the cache are one C call with the same
   roundings (`NativeDecodeAttention.rotary_and_store`);
-- RMSNorm is `F.rms_norm` on float32 followed by the weight, bit-equal to transformers' RMSNorm
-  (tests/unit/test_cpu_decoder.py checks it);
+- RMSNorm is one C call with the torch backend's native library (`NativeDecodeAttention.rms_norm`, native/rms_norm.c:
+  transformers' steps, except that the sum of squares is accumulated in double, so an output may differ from
+  torch's by one unit in the last place; torch runs it as ~6 operations of ~10-30 us each on a decode batch:
+  paired, bf16 decode step 29.1 -> 26.8 ms and prefill 102 -> 94 ms, float32 0.94 both); without the library
+  (or with `NATIVE_NORM` off), `F.rms_norm` on float32 followed by the weight, bit-equal to transformers'
+  RMSNorm (tests/unit/test_cpu_decoder.py checks both);
 - the submodules' forwards are called directly, without `Module.__call__` or transformers'
   argument-deprecation wrappers (the layers carry no hooks when installed, which `install_lean_layers`
   checks; a hook added on a submodule later would not run: `remove_lean_layers` first).
 
-Every operation is transformers' own in the same order, so outputs are bit-equal to the layer's own
-forward (tests/models/test_lean_layer_parity.py compares logits exactly on every covered
-architecture). Measured on the bench model (bf16, 13 decoding sequences, paired in one process):
+With torch's RMSNorm every operation is transformers' own in the same order, so outputs are bit-equal to the
+layer's own forward (tests/models/test_lean_layer_parity.py compares logits exactly on every covered
+architecture); with the native norm (the default on CPU), logits agree to float32 rounding and tokens are
+transformers' (the same file, and every float32 parity suite, which runs the default). Measured on the bench model (bf16, 13 decoding sequences, paired in one process):
 decode step 28.9 -> 27.1 ms, a prefill step with two new prompts 93.0 -> 90.7 ms.
 
 Covered: the layer classes in LEAN_LAYER_CLASSES, whose forward (residual, input norm, attention
@@ -70,10 +75,21 @@ class LeanParts:
         return (self.q_heads + self.kv_heads) * self.head_dim
 
 
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight."""
+NATIVE_NORM = True  # benchmarks/cpu_paths.py and the bit-exact parity tests turn it off
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor, native=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight; into `out` when
+    given. With `native` (the torch backend's native library, `_native_library`): one C call, the same steps except
+    the sum of squares (in double there), so within an ulp of torch's; else torch's operations, bit-equal."""
+    if native is not None and NATIVE_NORM:
+        normed = native.rms_norm(x, norm.weight, norm.variance_epsilon, out)
+        if normed is not None:
+            return normed
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+    if out is None:
+        return norm.weight * normed.to(x.dtype)
+    return torch.mul(norm.weight, normed.to(x.dtype), out=out)
 
 
 PADDED_OUTPUTS = True  # benchmarks/cpu_paths.py turns it off to measure what writing into padded buffers buys
@@ -88,14 +104,13 @@ def _padded_for_linear(x: torch.Tensor) -> PaddedRows | None:
     return PaddedRows.empty(tuple(x.shape[:-1]), x.shape[-1], x.dtype) if row_bucket(rows) != rows else None
 
 
-def rms_norm_for_linear(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | PaddedRows:
+def rms_norm_for_linear(norm: torch.nn.Module, x: torch.Tensor, native=None) -> torch.Tensor | PaddedRows:
     """`rms_norm`, written straight into the padded buffer the next packed linear needs (the same operations,
     so the same values; the linear skips its padding copy)."""
     padded = _padded_for_linear(x)
     if padded is None:
-        return rms_norm(norm, x)
-    normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
-    torch.mul(norm.weight, normed.to(x.dtype), out=padded.logical())
+        return rms_norm(norm, x, native)
+    rms_norm(norm, x, native, out=padded.logical())
     return padded
 
 
@@ -108,13 +123,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 NATIVE_ROTARY = True  # benchmarks/cpu_paths.py turns it off to measure what the fused pass buys
 
 
+def _native_library(meta):
+    """The torch backend's native library (CPU, where it loaded and `TGI_VLM_NATIVE_ATTENTION` is not 0), or None."""
+    backend = getattr(meta, "backend", None)
+    return getattr(backend, "native", None) if isinstance(backend, TorchPagedBackend) else None
+
+
 def _native_rotary(meta, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The torch backend's native library when it can rotate this layer's heads and store its K/V (CPU, float32
     or bfloat16 matching the cache, one packed row of tokens); else None (torch's operations run)."""
     if not NATIVE_ROTARY:
         return None
-    backend = getattr(meta, "backend", None)
-    native = getattr(backend, "native", None) if isinstance(backend, TorchPagedBackend) else None
+    native = _native_library(meta)
     if native is None or not native.can_rotate(qkv, cos, sin, meta.kv_cache.flat(layer_idx)[0]):
         return None
     return native
@@ -125,10 +145,11 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     parts: LeanParts = self.__dict__[_PARTS_ATTR]
     attn, mlp = self.self_attn, self.mlp
     bsz, q_len, _ = hidden_states.shape
-    x = rms_norm_for_linear(self.input_layernorm, hidden_states)
+    meta = kwargs.get("attn_metadata")
+    library = _native_library(meta)
+    x = rms_norm_for_linear(self.input_layernorm, hidden_states, library)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
-    meta = kwargs.get("attn_metadata")
     native = _native_rotary(meta, attn.layer_idx, qkv, cos, sin)
     if native is not None:  # rotary and the K/V store in one C pass, bit-equal to the torch operations below
         k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx)
@@ -145,7 +166,7 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
         out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
                                  sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(bsz, q_len, -1))
-    gate_up = parts.gate_up.product(rms_norm_for_linear(self.post_attention_layernorm, hidden_states))
+    gate_up = parts.gate_up.product(rms_norm_for_linear(self.post_attention_layernorm, hidden_states, library))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
     padded = _padded_for_linear(up) if parts.down_packed else None
     if padded is None:

@@ -15,7 +15,8 @@ no AVX-512, another OS or architecture, or a build error: a warning, and decode 
 path (the decode mirror). `TGI_VLM_NATIVE_ATTENTION=0` turns it off.
 
 The same library holds `rotary_and_store` (native/rotary_kv.c): the lean decoder layer's rotary of the query and
-key heads and the K/V store into the cache in one pass, bit-equal to torch's operations; and `skinny_linear`
+key heads and the K/V store into the cache in one pass, bit-equal to torch's operations; `rms_norm`
+(native/rms_norm.c): the lean layer's RMSNorm in one call, within an ulp of torch's; and `skinny_linear`
 (native/skinny_linear.c): float32 linears for decode-sized row counts (layers/skinny_linear.py).
 
 What the attention computes (tests/unit/test_native_decode.py holds it to the torch path): for each decode row, the softmax
@@ -50,6 +51,8 @@ SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 # without contracting a * b + c into one fused multiply-add (each product is rounded, as torch rounds it).
 ROTARY_SOURCE = Path(__file__).with_name("native") / "rotary_kv.c"
 ROTARY_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-c")
+# RMSNorm in one pass: like the rotary, every operation rounded as torch's (no -ffast-math, no contraction).
+NORM_SOURCE = Path(__file__).with_name("native") / "rms_norm.c"
 # Float32 linears for few rows: intrinsics only (no -ffast-math: nothing to gain, and sums stay as written).
 LINEAR_SOURCE = Path(__file__).with_name("native") / "skinny_linear.c"
 LINEAR_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-c")
@@ -75,7 +78,7 @@ def cache_dir() -> Path:
 
 class NativeDecodeAttention:
     """The loaded library: which dtypes its decode attention computes, and the calls (decode attention, rotary + K/V
-    store, float32 skinny linears)."""
+    store, RMSNorm, float32 skinny linears)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
@@ -92,6 +95,9 @@ class NativeDecodeAttention:
         self._linear.argtypes = [_P, _I64, _I64, _P, _I64, _P, _P, ctypes.c_int]
         self._linear.restype = ctypes.c_int
         self.linear_max_rows = library.tgi_vlm_skinny_max_rows()
+        self._norm = library.tgi_vlm_rms_norm
+        self._norm.argtypes = [ctypes.c_int, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+        self._norm.restype = ctypes.c_int
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.dtypes = frozenset(dtype for dtype, code in _DTYPE_CODES.items() if codes & code)
 
@@ -114,6 +120,35 @@ class NativeDecodeAttention:
             raise MemoryError("skinny_linear: no memory for the transposed input")
         if status != 0:
             raise RuntimeError(f"skinny_linear refused {rows} rows of {in_features} -> {out_features}")
+        return out
+
+    def can_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `rms_norm` takes `x` `[..., H]` (rows of H contiguous, as one strided run of rows) and `weight`."""
+        return (x.device.type == "cpu" and x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and x.dim() >= 2
+                and x.stride(-1) == 1 and weight.shape == x.shape[-1:] and weight.is_contiguous()
+                and all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2)))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                 ) -> torch.Tensor | None:
+        """transformers' Llama-family RMSNorm of `x` into `out` (a new tensor, or one of x's shape and dtype whose
+        rows are one strided run, e.g. a padded buffer's logical rows); None when `can_norm` says no (then the
+        caller runs torch's operations). Outputs may differ from torch's by one unit in the last place
+        (native/rms_norm.c: the sum of squares is in double)."""
+        if not self.can_norm(x, weight):
+            return None
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+        elif not (out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
+                  and all(out.stride(i) == out.stride(i + 1) * out.shape[i + 1] for i in range(out.dim() - 2))):
+            raise ValueError(f"rms_norm: an output {tuple(out.shape)} {out.dtype} (strides {out.stride()}) for an "
+                             f"input {tuple(x.shape)} {x.dtype}")
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden if hidden else 0
+        if rows:
+            status = self._norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(-2), weight.data_ptr(), out.data_ptr(),
+                                out.stride(-2), rows, hidden, eps, torch.get_num_threads())
+            if status != 0:
+                raise RuntimeError(f"rms_norm refused dtype {x.dtype}")
         return out
 
     def supports_cache(self, k_cache: torch.Tensor) -> bool:
@@ -272,12 +307,14 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: two shards starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, obj, rotary_obj, linear_obj = (Path(scratch) / name for name in (
-            target.name, "decode_attention.o", "rotary_kv.o", "skinny_linear.o"))
+        built, obj, rotary_obj, norm_obj, linear_obj = (Path(scratch) / name for name in (
+            target.name, "decode_attention.o", "rotary_kv.o", "rms_norm.o", "skinny_linear.o"))
         for command in ([*compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)],
                         [*compiler, *ROTARY_FLAGS, str(ROTARY_SOURCE), "-o", str(rotary_obj)],
+                        [*compiler, *ROTARY_FLAGS, str(NORM_SOURCE), "-o", str(norm_obj)],
                         [*compiler, *LINEAR_FLAGS, str(LINEAR_SOURCE), "-o", str(linear_obj)],
-                        [*compiler, str(obj), str(rotary_obj), str(linear_obj), "-o", str(built), *LINK_FLAGS]):
+                        [*compiler, str(obj), str(rotary_obj), str(norm_obj), str(linear_obj), "-o", str(built),
+                         *LINK_FLAGS]):
             result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise RuntimeError(f"{command[0]} exited {result.returncode}: {result.stderr.strip()[-800:]}")
@@ -291,6 +328,7 @@ def _cache_key(compiler: list[str]) -> str:
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(ROTARY_SOURCE.read_bytes())
+    digest.update(NORM_SOURCE.read_bytes())
     digest.update(LINEAR_SOURCE.read_bytes())
     digest.update(repr((ABI_VERSION, COMPILE_FLAGS, ROTARY_FLAGS, LINEAR_FLAGS, LINK_FLAGS, compiler)).encode())
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)

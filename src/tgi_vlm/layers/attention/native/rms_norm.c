@@ -1,0 +1,82 @@
+/* RMSNorm of transformers' Llama-family layers in one pass per row (tgi_vlm/layers/cpu_decoder.py calls it through
+   native_decode.py; torch's operations are the reference it is tested against).
+
+   Why: on CPU, torch runs this norm as ~6 operations (pow, mean, add, rsqrt, mul, casts), each a dispatch and, for a
+   decode batch of a few rows, an OpenMP region for a few microseconds of work: ~100 us per call, 24 calls per step
+   of the bench model (~2.4 ms of a ~30 ms decode step). Here it is one call.
+
+   What it computes, per row of H values: variance = mean of x^2 (x widened to float), n = x * 1 / sqrt(variance +
+   eps) in float, then out = weight * n as transformers' `weight * hidden.to(input_dtype)` rounds it (float32: one
+   float product; bfloat16: n rounded to bf16, the product of two bf16 values rounded to bf16). Every step is
+   transformers' except the sum of squares, accumulated here in double, then rounded to float (torch sums floats
+   in its own vectorized order): the variance may differ from torch's in its last bit, so an output may differ by
+   one unit in the last place (tests/unit/test_native_decode.py holds it to that). Compiled without -ffast-math and
+   without contraction, so every other operation rounds as torch's does. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define DTYPE_FLOAT32 1
+#define DTYPE_BFLOAT16 2
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) { /* round to nearest even; NaN stays NaN (quiet) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The sum of squares in double, in LANES independent partial sums (one dependency chain each, added in order at
+   the end): deterministic, and at least as accurate as a float sum in any order. */
+#define LANES 8
+#define SUM_OF_SQUARES(x, H, WIDEN)                                        \
+    double part[LANES] = {0};                                              \
+    int64_t i = 0;                                                         \
+    for (; i + LANES <= (H); i += LANES)                                   \
+        for (int l = 0; l < LANES; ++l) {                                  \
+            const double v = (double)WIDEN((x)[i + l]);                    \
+            part[l] += v * v;                                              \
+        }                                                                  \
+    for (; i < (H); ++i) {                                                 \
+        const double v = (double)WIDEN((x)[i]);                            \
+        part[0] += v * v;                                                  \
+    }                                                                      \
+    double squares = 0.0;                                                  \
+    for (int l = 0; l < LANES; ++l) squares += part[l];
+
+#define AS_FLOAT(v) (v)
+
+static void row_f32(const float* x, const float* weight, float* out, int64_t H, float eps) {
+    SUM_OF_SQUARES(x, H, AS_FLOAT)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+static void row_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t H, float eps) {
+    SUM_OF_SQUARES(x, H, widen)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = round_bf16(widen(weight[i]) * widen(round_bf16(widen(x[i]) * inv)));
+}
+
+/* x, out: [T, H] rows (row strides in elements; out may not overlap x), weight: [H], all of `dtype`. Returns 0, or
+   -1 for an unknown dtype. */
+int tgi_vlm_rms_norm(int dtype, const void* x, int64_t x_row_stride, const void* weight, void* out,
+                     int64_t out_row_stride, int64_t T, int64_t H, float eps, int num_threads) {
+    if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return -1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * H >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        if (dtype == DTYPE_FLOAT32)
+            row_f32((const float*)x + t * x_row_stride, (const float*)weight, (float*)out + t * out_row_stride, H, eps);
+        else
+            row_bf16((const uint16_t*)x + t * x_row_stride, (const uint16_t*)weight, (uint16_t*)out + t * out_row_stride,
+                     H, eps);
+    }
+    return 0;
+}
