@@ -11,7 +11,7 @@ Paths (each alone, everything else at its default):
   torch's operations.
 - `padded-outputs`: the lean layer writing its norms and SiLU x up into the packed linears' padded buffers
   (`PaddedRows`) vs each linear padding its input (a copy and a zero fill per linear past 32 rows).
-- `native-norm`: the lean layer's RMSNorm in one C call (`NativeDecodeAttention.rms_norm`, within an ulp) vs torch's
+- `native-norm`: the lean layer's RMSNorm in one C call (`NativeDecodeAttention.rms_norm`, within a few ulps) vs torch's
   ~6 operations.
 - `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (layers/skinny_linear.py,
   a second copy of each weight) vs MKL's packed kernel.

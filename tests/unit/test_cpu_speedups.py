@@ -169,6 +169,21 @@ def test_mkl_packed_float32_layout_does_not_depend_on_the_row_count_it_was_packe
                 torch.testing.assert_close(got, torch.ops.mkl._mkl_linear(x, exact, weight, bias, rows), rtol=0, atol=0)
 
 
+def test_a_packed_layout_that_disagrees_at_other_row_counts_keeps_the_shape_on_onednn(monkeypatch):
+    """The per-shape check at packing can fail (here: a matrix packed from another weight), and a shape that fails it
+    is multiplied through oneDNN instead, correctly."""
+    torch.manual_seed(0)
+    weight, other = torch.randn(40, 72), torch.randn(40, 72)
+    monkeypatch.setattr(cpu, "_mkl_layout_checked", {})
+    assert cpu._mkl_layout_agrees(weight, torch.ops.mkl._mkl_reorder_linear_weight(weight, 64)) is True
+    monkeypatch.setattr(cpu, "_mkl_layout_checked", {})
+    assert cpu._mkl_layout_agrees(weight, torch.ops.mkl._mkl_reorder_linear_weight(other, 64)) is False
+    packed = cpu.PackedWeight(weight, decode_copy=True)  # the cached verdict for 40 x 72: disagrees
+    assert not packed.mkl and packed.pads_rows and packed.skinny is None
+    x = torch.randn(5, 72)
+    torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
 def test_mkl_packed_float32_takes_any_row_count_without_padding():
     """No kernel per row count: a padded input is multiplied as its logical rows, priming builds nothing, and
     empty inputs give empty outputs."""

@@ -167,7 +167,30 @@ def pads_rows(dtype: torch.dtype) -> bool:
 # The row count MKL packs for. Its packed layout is the same for every count from 2 rows up (checked for the
 # shapes served here: bit-equal to packing for the exact count, tests/unit/test_cpu_speedups.py), and
 # `mkl::_mkl_linear` takes the packed path only when told the count it sees, so each call passes its own.
+# MKL does not document that a packed matrix serves other counts, so each product shape is also checked once per
+# process when first packed (`_mkl_layout_agrees`); a shape that disagrees stays on oneDNN.
 MKL_PACK_ROWS = 64
+_MKL_CHECK_ROWS = (1, 2, 97)
+_mkl_layout_checked: dict[tuple[int, int], bool] = {}
+
+
+def _mkl_layout_agrees(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `packed` multiplies like `weight` at a few row counts other than the one it was packed for
+    (float32 rounding apart), once per (out, in) shape and process."""
+    key = tuple(weight.shape)
+    if key not in _mkl_layout_checked:
+        agrees = packed.is_mkldnn
+        generator = torch.Generator().manual_seed(0)
+        for rows in _MKL_CHECK_ROWS if agrees else ():
+            x = torch.randn(rows, weight.shape[1], generator=generator)
+            got = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+            want = F.linear(x, weight)
+            agrees = agrees and bool(((got - want).abs() <= 1e-4 * (x.abs() @ weight.abs().T) + 1e-6).all())
+        if not agrees:
+            logger.warning("MKL's packed float32 product disagreed with F.linear for a {} weight at another row count "
+                           "than it was packed for: that shape stays on oneDNN", "x".join(map(str, key)))
+        _mkl_layout_checked[key] = agrees
+    return _mkl_layout_checked[key]
 
 
 class PackedWeight:
@@ -185,6 +208,8 @@ class PackedWeight:
         self.one_row, self.skinny = None, None
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+            self.mkl = _mkl_layout_agrees(weight, self.packed)
+        if self.mkl:
             # `_mkl_linear` reads only the plain weight's shape and dtype on its packed path: a stand-in without storage
             self.shape_of = weight.new_zeros(()).expand(weight.shape)
             if decode_copy:

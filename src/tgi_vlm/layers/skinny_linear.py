@@ -9,7 +9,8 @@ It needs its own copy of each weight, in a layout where one 64-byte load holds 1
 input position (`blocked_weight`), so it is made only where `layers/cpu.py`'s rule for a second copy of the float32
 weights allows it (at most 1/16 of the machine's memory: the bench model's 380 MB on 24 GB), on CPUs with AVX-512
 where the native library builds. Sums are float32, in another order than MKL's (within float32 rounding:
-tests/unit/test_skinny_linear.py holds the error against float64 to twice MKL's own).
+tests/unit/test_skinny_linear.py holds each output to the worst-case bound of its summation order against float64,
+and the typical error to 3x MKL's own).
 """
 
 from __future__ import annotations

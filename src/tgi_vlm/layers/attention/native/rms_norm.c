@@ -9,9 +9,10 @@
    eps) in float, then out = weight * n as transformers' `weight * hidden.to(input_dtype)` rounds it (float32: one
    float product; bfloat16: n rounded to bf16, the product of two bf16 values rounded to bf16). Every step is
    transformers' except the sum of squares, accumulated here in double, then rounded to float (torch sums floats
-   in its own vectorized order): the variance may differ from torch's in its last bit, so an output may differ by
-   one unit in the last place (tests/unit/test_native_decode.py holds it to that). Compiled without -ffast-math and
-   without contraction, so every other operation rounds as torch's does. */
+   in its own vectorized order, a few ulps from the exact sum): the variance may differ from torch's in its last
+   bits, and so may the outputs (tests/unit/test_cpu_decoder.py holds them within 4 ulps of torch's and of a
+   float64 norm). Compiled without -ffast-math and without contraction, so every other operation rounds as
+   torch's does. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
