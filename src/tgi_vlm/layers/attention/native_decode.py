@@ -53,6 +53,7 @@ ROTARY_SOURCE = Path(__file__).with_name("native") / "rotary_kv.c"
 ROTARY_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-c")
 # RMSNorm in one pass: like the rotary, every operation rounded as torch's (no -ffast-math, no contraction).
 NORM_SOURCE = Path(__file__).with_name("native") / "rms_norm.c"
+HEADERS = (Path(__file__).with_name("native") / "bf16.h",)  # included by the scalar files: part of the cache key
 # Float32 linears for few rows: intrinsics only (no -ffast-math: nothing to gain, and sums stay as written).
 LINEAR_SOURCE = Path(__file__).with_name("native") / "skinny_linear.c"
 LINEAR_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-c")
@@ -329,6 +330,8 @@ def _cache_key(compiler: list[str]) -> str:
     digest.update(SOURCE.read_bytes())
     digest.update(ROTARY_SOURCE.read_bytes())
     digest.update(NORM_SOURCE.read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
     digest.update(LINEAR_SOURCE.read_bytes())
     digest.update(repr((ABI_VERSION, COMPILE_FLAGS, ROTARY_FLAGS, LINEAR_FLAGS, LINK_FLAGS, compiler)).encode())
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)

@@ -17,22 +17,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define DTYPE_FLOAT32 1
 #define DTYPE_BFLOAT16 2
-
-static inline float widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t round_bf16(float f) { /* round to nearest even; NaN stays NaN (quiet) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The sum of squares in double, in LANES independent partial sums (one dependency chain each, added in order at
    the end): deterministic, and at least as accurate as a float sum in any order. */
@@ -61,9 +49,12 @@ static void row_f32(const float* x, const float* weight, float* out, int64_t H, 
 }
 
 static void row_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t H, float eps) {
-    SUM_OF_SQUARES(x, H, widen)
+    SUM_OF_SQUARES(x, H, bf16_to_f32)
     const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
-    for (int64_t i = 0; i < H; ++i) out[i] = round_bf16(widen(weight[i]) * widen(round_bf16(widen(x[i]) * inv)));
+    for (int64_t i = 0; i < H; ++i) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv));
+        out[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+    }
 }
 
 /* x, out: [T, H] rows (row strides in elements; out may not overlap x), weight: [H], all of `dtype`. Returns 0, or

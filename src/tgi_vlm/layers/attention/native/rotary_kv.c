@@ -9,22 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define DTYPE_FLOAT32 1
 #define DTYPE_BFLOAT16 2
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN (quiet) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* qkv: [T, (Hq + 2 Hkv) * D] rows (row stride in elements), heads of D contiguous: Hq query, Hkv key, Hkv value.
    cos / sin: [T, D] rows (row stride). q_out: [T, Hq, D], k_out: [T, Hkv, D] contiguous. k_cache / v_cache:
