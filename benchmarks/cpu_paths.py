@@ -9,8 +9,6 @@ Paths (each alone, everything else at its default):
   decode mirror and SDPA.
 - `native-rotary`: the lean layer's rotary and K/V store in one C pass (`rotary_and_store`, bit-exact) vs
   torch's operations.
-- `padded-outputs`: the lean layer writing its norms and SiLU x up into the packed linears' padded buffers
-  (`PaddedRows`) vs each linear padding its input (a copy and a zero fill per linear past 32 rows).
 - `native-norm`: the lean layer's RMSNorm in one C call (`NativeDecodeAttention.rms_norm`, within a few ulps) vs torch's
   ~6 operations.
 - `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (layers/skinny_linear.py,
@@ -88,8 +86,6 @@ class Side:
             torch_backend.causal_attention = PADDED_CAUSAL if self.with_path else _unpadded_causal
         if self.path == "native-rotary":
             cpu_decoder.NATIVE_ROTARY = self.with_path
-        if self.path == "padded-outputs":
-            cpu_decoder.PADDED_OUTPUTS = self.with_path
         if self.path == "native-norm":
             cpu_decoder.NATIVE_NORM = self.with_path
         if self.path == "skinny-linear":  # read when a weight is packed (lazily, in this side's first step)
@@ -123,7 +119,7 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
         for side in sides if i % 2 == 0 else sides[::-1]:
             side.prefill(100 + i, texts)
     torch_backend.causal_attention = PADDED_CAUSAL
-    cpu_decoder.NATIVE_ROTARY = cpu_decoder.PADDED_OUTPUTS = cpu_decoder.NATIVE_NORM = True
+    cpu_decoder.NATIVE_ROTARY = cpu_decoder.NATIVE_NORM = True
     cpu.mkl_packs_float32 = MKL_PACKS_FLOAT32
     skinny_linear.ENABLED = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
@@ -149,7 +145,7 @@ def markdown(results: list[dict]) -> str:
     return (f"# CPU fast paths, paired ({when})\n\n`benchmarks/cpu_paths.py`: bench Qwen2-VL, {DECODE_ROWS} decoding "
             "sequences; prefill steps add two new 60-140-word prompts to them. Two engines stepped in turn in one "
             "process; medians.\n\n" + "\n".join(lines) + "\n\n`tokens equal`: every greedy token of both sides. "
-            "lean-layers, native-rotary and padded-outputs are bit-exact, so they must be; causal-padding, native-attention, "
+            "lean-layers and native-rotary are bit-exact, so they must be; causal-padding, native-attention, "
             "native-norm, mkl-float32 and skinny-linear sum in another order "
             "(about one bf16 ulp), "
             "so a random-weight model's near-tied tokens may part (bf16 parity with transformers is "
@@ -160,13 +156,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--path", action="append", choices=("lean-layers", "causal-padding", "native-attention", "native-rotary",
-                                                       "padded-outputs", "native-norm", "mkl-float32", "skinny-linear"))
+                                                       "native-norm", "mkl-float32", "skinny-linear"))
     parser.add_argument("--decode-steps", type=int, default=60)
     parser.add_argument("--prefill-steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary", "padded-outputs"]
+    paths = args.path or ["lean-layers", "causal-padding", "native-attention", "native-rotary", "native-norm"]
     if {"mkl-float32", "skinny-linear"} & set(paths) and args.dtype != "float32":
         parser.error("--path mkl-float32 / skinny-linear compare float32 kernels: add --dtype float32")
     results = [measure(p, args.dtype, args.decode_steps, args.prefill_steps) for p in paths]

@@ -143,7 +143,7 @@ def test_packed_float32_linear_matches_plain_linear_to_float_rounding(monkeypatc
     for x, want in zip(inputs, expected):
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.float32
-    assert vars(layer)["_packed_weight"].mkl is mkl and vars(layer)["_packed_weight"].pads_rows is not mkl
+    assert vars(layer)["_packed_weight"].mkl is mkl
 
 
 # shapes of the bench model's products: q/k/v fused, o, gate/up fused, down, the vision tower's, the patch embedding
@@ -184,18 +184,14 @@ def test_a_packed_layout_that_disagrees_at_other_row_counts_keeps_the_shape_on_o
     torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_mkl_packed_float32_takes_any_row_count_without_padding():
-    """No kernel per row count: a padded input is multiplied as its logical rows, priming builds nothing, and
-    empty inputs give empty outputs."""
+def test_mkl_packed_float32_takes_any_row_count_and_primes_nothing():
+    """No kernel per row count: priming builds nothing for MKL's products, and empty inputs give empty outputs."""
     torch.manual_seed(0)
     weight = torch.randn(48, 64)
-    packed = cpu.PackedWeight(weight, decode_copy=True)
-    assert not packed.pads_rows and not cpu.pads_rows(torch.float32) and cpu.pads_rows(torch.bfloat16)
-    padded = cpu.PaddedRows.empty((1, 40), 64, torch.float32)
-    padded.logical().copy_(torch.randn(1, 40, 64))
-    got = packed(padded, None)
-    assert got.shape == (1, 40, 48)
-    torch.testing.assert_close(got, F.linear(padded.logical(), weight), rtol=0, atol=0)
+    packed = cpu.PackedWeight(weight, decode_copy=False)
+    assert packed.mkl
+    x = torch.randn(1, 40, 64)
+    torch.testing.assert_close(packed(x, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     assert packed(torch.randn(0, 64), None).shape == (0, 48)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48))
     cpu.pack_linear_weights(model)

@@ -18,10 +18,10 @@ not avoid (benchmarks/results/cpu-profile.md has the figures):
   weight into oneDNN's blocked layout on every call; `pack_linear_weights` keeps the weight packed
   (done once, lazily on the model thread, the plain copy released): a bf16 decode step 28 -> 25 ms.
   Float32 linears are packed too, with MKL's own packed GEMM (`cblas_sgemm_pack` / `_compute` through
-  torch's `mkl::_mkl_linear`) where torch has MKL: plain sgemm streams the weights at ~9 GB/s for 13
-  rows here where a packed kernel reaches ~15-19 GB/s (the bench model's 48 fused decode linears:
-  44 -> 25 ms at 13 rows), and at prefill sizes MKL's packed kernel is faster than oneDNN's (288 rows:
-  359 vs 303 GFLOP/s on 2 threads) and builds nothing per row count, so float32 rows are not padded.
+  torch's `mkl::_mkl_linear`) where torch has MKL: a packed kernel streams decode-sized products' weights
+  far faster than plain sgemm (the second round's figures in docs/decisions.md), MKL's is as fast as oneDNN's
+  there (benchmarks/results/skinny_linear.md) and a few percent faster at prefill sizes in the engine
+  (cpu_paths-mkl-float32-float32.md), and it builds nothing per row count, so float32 rows are not padded.
   Like oneDNN's, its sums are not always in plain sgemm's order (float32 rounding apart). Without MKL (e.g. aarch64 builds) float32 goes through oneDNN like bf16, padded,
   and keeps the plain weight for one-row products when that second copy is cheap
   (`decode_copies_fit`; oneDNN's one-row kernel is ~20% slower than MKL's GEMV). The language
@@ -40,12 +40,11 @@ from __future__ import annotations
 import collections
 import ctypes
 import ctypes.util
-import math
+import functools
 import os
 import time
 import types
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -109,26 +108,6 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-class PaddedRows(NamedTuple):
-    """An input already laid out for a packed linear: `buffer` `[row_bucket(rows), width]` whose rows past `rows`
-    are zero, holding a `[*shape, width]` tensor. A producer that writes its output into `logical()` (with `out=`)
-    saves the linear the copy into a padded buffer (layers/cpu_decoder.py does, for its norms and SiLU x up)."""
-
-    buffer: torch.Tensor
-    rows: int
-    shape: tuple[int, ...]
-
-    @classmethod
-    def empty(cls, shape: tuple[int, ...], width: int, dtype: torch.dtype) -> PaddedRows:
-        rows = math.prod(shape)
-        buffer = torch.empty(row_bucket(rows), width, dtype=dtype)
-        buffer[rows:].zero_()
-        return cls(buffer, rows, tuple(shape))
-
-    def logical(self) -> torch.Tensor:
-        return self.buffer[: self.rows].view(*self.shape, self.buffer.shape[-1])
-
-
 def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """`x` as `[rows, in]` with zero rows appended up to `row_bucket(rows)`, and `rows`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -153,15 +132,11 @@ def bucket_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
+@functools.cache
 def mkl_packs_float32() -> bool:
-    """Whether this torch build multiplies float32 with MKL's packed GEMM (`mkl::_mkl_linear`)."""
+    """Whether this torch build multiplies float32 with MKL's packed GEMM (`mkl::_mkl_linear`); asked per layer and
+    step through `pads_rows`, answered once."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def pads_rows(dtype: torch.dtype) -> bool:
-    """Whether a packed linear of this dtype pads its rows to `row_bucket` (oneDNN builds a kernel per row
-    count; MKL's float32 packed GEMM does not)."""
-    return dtype != torch.float32 or not mkl_packs_float32()
 
 
 # The row count MKL packs for. Its packed layout is the same for every count from 2 rows up (checked for the
@@ -228,13 +203,10 @@ class PackedWeight:
         """What oneDNN keys its kernel on, besides the rows."""
         return self.in_features, self.out_features, self.dtype, bias is not None
 
-    def __call__(self, x: torch.Tensor | PaddedRows, bias: torch.Tensor | None) -> torch.Tensor:
-        """x `[..., in]` (or already padded) -> `[..., out]`."""
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x `[..., in]` -> `[..., out]`."""
         if self.mkl:
-            return self._mkl_product(x.logical() if isinstance(x, PaddedRows) else x, bias)
-        if isinstance(x, PaddedRows):
-            out = torch.ops.mkldnn._linear_pointwise(x.buffer, self.packed, bias, "none", [], "")
-            return out[: x.rows].view(*x.shape, out.shape[-1])
+            return self._mkl_product(x, bias)
         if self.one_row is not None and x.numel() == x.shape[-1]:
             return F.linear(x, self.one_row, bias)
         flat, rows = padded_rows(x)

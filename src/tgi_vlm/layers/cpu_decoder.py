@@ -43,7 +43,6 @@ import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
-from tgi_vlm.layers.cpu import PaddedRows, _packed_linear_forward, pads_rows, row_bucket
 from tgi_vlm.layers.cpu_fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -68,7 +67,6 @@ class LeanParts:
     kv_heads: int
     head_dim: int
     sliding_window: int | None
-    down_packed: bool  # down_proj runs layers/cpu.py's packed forward (it takes PaddedRows)
 
     @property
     def qk_width(self) -> int:
@@ -78,40 +76,15 @@ class LeanParts:
 NATIVE_NORM = True  # benchmarks/cpu_paths.py and the bit-exact parity tests turn it off
 
 
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor, native=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight; into `out` when
-    given. With `native` (the torch backend's native library, `_native_library`): one C call, the same steps except
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor, native=None) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight. With `native` (the torch backend's native library, `_native_library`): one C call, the same steps except
     the sum of squares (in double there), so within a few ulps of torch's; else torch's operations, bit-equal."""
     if native is not None and NATIVE_NORM:
-        normed = native.rms_norm(x, norm.weight, norm.variance_epsilon, out)
+        normed = native.rms_norm(x, norm.weight, norm.variance_epsilon)
         if normed is not None:
             return normed
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
-    if out is None:
-        return norm.weight * normed.to(x.dtype)
-    return torch.mul(norm.weight, normed.to(x.dtype), out=out)
-
-
-PADDED_OUTPUTS = True  # benchmarks/cpu_paths.py turns it off to measure what writing into padded buffers buys
-
-
-def _padded_for_linear(x: torch.Tensor) -> PaddedRows | None:
-    """A padded buffer for an output of x's shape that a packed linear takes next, when its rows get padded
-    (past 32 rows, and not for MKL's float32 products, which take any row count); None: the plain tensor is as good."""
-    if not PADDED_OUTPUTS or not pads_rows(x.dtype):
-        return None
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return PaddedRows.empty(tuple(x.shape[:-1]), x.shape[-1], x.dtype) if row_bucket(rows) != rows else None
-
-
-def rms_norm_for_linear(norm: torch.nn.Module, x: torch.Tensor, native=None) -> torch.Tensor | PaddedRows:
-    """`rms_norm`, written straight into the padded buffer the next packed linear needs (the same operations,
-    so the same values; the linear skips its padding copy)."""
-    padded = _padded_for_linear(x)
-    if padded is None:
-        return rms_norm(norm, x, native)
-    rms_norm(norm, x, native, out=padded.logical())
-    return padded
+    return norm.weight * normed.to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,15 +102,11 @@ def _native_library(meta):
     return getattr(backend, "native", None) if isinstance(backend, TorchPagedBackend) else None
 
 
-def _native_rotary(meta, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The torch backend's native library when it can rotate this layer's heads and store its K/V (CPU, float32
-    or bfloat16 matching the cache, one packed row of tokens); else None (torch's operations run)."""
-    if not NATIVE_ROTARY:
-        return None
-    native = _native_library(meta)
-    if native is None or not native.can_rotate(qkv, cos, sin, meta.kv_cache.flat(layer_idx)[0]):
-        return None
-    return native
+def _rotates_natively(library, k_cache: torch.Tensor | None, qkv: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> bool:
+    """Whether the native library (`_native_library`) rotates this layer's heads and stores its K/V (CPU, float32 or
+    bfloat16 matching the cache, one packed row of tokens); else torch's operations run."""
+    return NATIVE_ROTARY and library is not None and library.can_rotate(qkv, cos, sin, k_cache)
 
 
 def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
@@ -147,14 +116,13 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     bsz, q_len, _ = hidden_states.shape
     meta = kwargs.get("attn_metadata")
     library = _native_library(meta)
-    x = rms_norm_for_linear(self.input_layernorm, hidden_states, library)
+    x = rms_norm(self.input_layernorm, hidden_states, library)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
-    native = _native_rotary(meta, attn.layer_idx, qkv, cos, sin)
-    if native is not None:  # rotary and the K/V store in one C pass, bit-equal to the torch operations below
-        k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx)
-        query, key, value = native.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots,
-                                                    meta.max_slot())
+    k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx) if library is not None else (None, None)
+    if _rotates_natively(library, k_cache, qkv, cos, sin):  # one C pass, bit-equal to the torch operations below
+        query, key, value = library.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots,
+                                                     meta.max_slot())
         out = meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
                                    sliding_window=parts.sliding_window, kv_written=True)
     else:
@@ -166,13 +134,9 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
         out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
                                  sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(bsz, q_len, -1))
-    gate_up = parts.gate_up.product(rms_norm_for_linear(self.post_attention_layernorm, hidden_states, library))
+    gate_up = parts.gate_up.product(rms_norm(self.post_attention_layernorm, hidden_states, library))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
-    padded = _padded_for_linear(up) if parts.down_packed else None
-    if padded is None:
-        return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
-    torch.mul(mlp.act_fn(gate), up, out=padded.logical())
-    return hidden_states + mlp.down_proj.forward(padded)
+    return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 
 def _parts(layer: torch.nn.Module) -> LeanParts | None:
@@ -194,9 +158,7 @@ def _parts(layer: torch.nn.Module) -> LeanParts | None:
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # hooks (e.g. a tensor-parallel plan's) must run: keep transformers' forward
-    down_packed = getattr(mlp.down_proj.__dict__.get("forward"), "__func__", None) is _packed_linear_forward
-    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
-                     down_packed)
+    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn))
 
 
 def install_lean_layers(language_model: torch.nn.Module) -> int:

@@ -20,7 +20,7 @@ import torch
 from tgi_vlm.layers.attention import native_decode
 
 # Up to this many rows the native loop was faster than MKL's packed kernel on every row count measured
-# (24 rows: 24.7 vs 30.1 ms; 32 rows: 35.6 vs 32.6, slower).
+# (benchmarks/results/skinny_linear.md: 24 rows 0.85 of MKL's time; 32 rows 0.98 there, 1.09 in an earlier run).
 MAX_ROWS = 24
 ENABLED = True  # benchmarks/cpu_paths.py turns it off to measure what it buys (read when a weight is packed)
 

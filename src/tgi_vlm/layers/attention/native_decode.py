@@ -129,25 +129,18 @@ class NativeDecodeAttention:
                 and x.stride(-1) == 1 and weight.shape == x.shape[-1:] and weight.is_contiguous()
                 and all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2)))
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-                 ) -> torch.Tensor | None:
-        """transformers' Llama-family RMSNorm of `x` into `out` (a new tensor, or one of x's shape and dtype whose
-        rows are one strided run, e.g. a padded buffer's logical rows); None when `can_norm` says no (then the
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """transformers' Llama-family RMSNorm of `x` (a new contiguous tensor); None when `can_norm` says no (then the
         caller runs torch's operations). Outputs may differ from torch's in the last places (native/rms_norm.c: the
         sum of squares is in double; tests/unit/test_cpu_decoder.py holds them within 4 ulps)."""
         if not self.can_norm(x, weight):
             return None
-        if out is None:
-            out = torch.empty(x.shape, dtype=x.dtype)
-        elif not (out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1
-                  and all(out.stride(i) == out.stride(i + 1) * out.shape[i + 1] for i in range(out.dim() - 2))):
-            raise ValueError(f"rms_norm: an output {tuple(out.shape)} {out.dtype} (strides {out.stride()}) for an "
-                             f"input {tuple(x.shape)} {x.dtype}")
+        out = torch.empty(x.shape, dtype=x.dtype)
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
         if rows:
             status = self._norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(-2), weight.data_ptr(), out.data_ptr(),
-                                out.stride(-2), rows, hidden, eps, torch.get_num_threads())
+                                hidden, rows, hidden, eps, torch.get_num_threads())
             if status != 0:
                 raise RuntimeError(f"rms_norm refused dtype {x.dtype}")
         return out
