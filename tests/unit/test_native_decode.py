@@ -15,7 +15,7 @@ import torch
 
 from tgi_vlm.layers.attention import native_decode
 from tgi_vlm.layers.attention.kv_cache import KVCacheSpec, PagedKVCache
-from tgi_vlm.layers.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask
+from tgi_vlm.layers.attention.metadata import AttentionMetadata, DecodeGroup, decode_mask, slot_bound
 from tgi_vlm.layers.attention.native_decode import NativeDecodeStep
 from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
 
@@ -253,6 +253,12 @@ def test_inconsistent_inputs_are_refused_before_the_c_code(native):
     qkv, cos = torch.zeros(1, 2, (4 + 2 * 2) * 16), torch.zeros(1, 2, 16)
     with pytest.raises(ValueError, match="past the cache"):
         native.rotary_and_store(qkv, cos, cos, 4, k_flat, v_flat, torch.tensor([0, 1]), k_flat.shape[0])
+    negative = NativeDecodeStep(DecodeGroup.build([0, 1], lens, slot_index - 10_000, 2))  # slots before the cache
+    with pytest.raises(ValueError, match="inconsistent"):
+        native.attend(q, torch.empty_like(q), k_flat, v_flat, negative, None, None, None)
+    with pytest.raises(ValueError, match="past the cache"):
+        native.rotary_and_store(qkv, cos, cos, 4, k_flat, v_flat, torch.tensor([0, -3]),
+                                slot_bound(torch.tensor([0, -3]), empty=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,6 +8,7 @@ per (group, sliding window) and cached for the remaining layers.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,15 @@ from tgi_vlm.layers.attention.kv_cache import PagedKVCache
 if TYPE_CHECKING:
     from tgi_vlm.layers.attention.backend import AttentionBackend
 
+
+
+def slot_bound(slots: torch.Tensor, *, empty: int) -> int:
+    """The largest of `slots`, for a bounds check against a cache's slot count before C code indexes it: a negative
+    slot makes it `sys.maxsize`, so that check refuses it too; `empty` when there are none."""
+    if not slots.numel():
+        return empty
+    low, high = torch.aminmax(slots)
+    return int(high) if int(low) >= 0 else sys.maxsize
 
 @dataclass
 class PrefillSpan:
@@ -88,10 +98,10 @@ class AttentionMetadata:
         self._masks.clear()
 
     def max_slot(self) -> int:
-        """The largest slot this step writes (-1: none); read back once per step, for the native C code's bounds
-        check (CPU only: a device tensor's read-back would be a host sync)."""
+        """The largest slot this step writes (-1: none; `slot_bound`); read back once per step, for the native C
+        code's bounds check (CPU only: a device tensor's read-back would be a host sync)."""
         if "max_slot" not in self._masks:
-            self._masks["max_slot"] = int(self.slots.max()) if self.slots.numel() else -1
+            self._masks["max_slot"] = slot_bound(self.slots, empty=-1)
         return self._masks["max_slot"]
 
     def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:

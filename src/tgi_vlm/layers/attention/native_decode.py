@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from tgi_vlm.layers.attention.metadata import DecodeGroup
+from tgi_vlm.layers.attention.metadata import DecodeGroup, slot_bound
 
 SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 # Rotary + K/V store: bit-exact with torch's element-wise operations, so compiled without -ffast-math and
@@ -175,7 +175,7 @@ class NativeDecodeAttention:
             raise ValueError(f"rotary_and_store: a fused product of width {width} does not hold {q_heads} + 2 x "
                              f"{kv_heads} heads of {head_dim}, or {tuple(slots.shape)} slots for {tokens} rows")
         if max_slot >= k_cache.shape[0]:
-            raise ValueError("rotary_and_store: a slot past the cache")
+            raise ValueError("rotary_and_store: a slot past the cache, or negative")
         slots = slots.contiguous()
         q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype)
         k = torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype)
@@ -230,7 +230,7 @@ class NativeDecodeStep:
         self.slot_index = self.group.slot_index.contiguous()
         if max(self.group.kv_len_list, default=0) > self.slot_index.shape[1] or self.slot_index.shape[0] != self.num_rows:
             raise ValueError("decode group: a kv_len exceeds its slot index, or rows and slot index disagree")
-        self.max_slot = int(self.slot_index.max()) if self.slot_index.numel() else 0
+        self.max_slot = slot_bound(self.slot_index, empty=0)
         self.max_row = max(self.group.row_list, default=-1)
 
     @property
