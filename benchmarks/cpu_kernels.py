@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tgi_vlm.layers.cpu import row_bucket
+from tgi_vlm.layers.linear.kernels import row_bucket
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"q/o": (768, 768), "k/v": (768, 256), "gate/up": (768, 2560), "down": (2560, 768), "lm_head": (768, 3763)}

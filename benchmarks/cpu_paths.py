@@ -13,7 +13,7 @@ Paths (each alone, everything else at its default):
   ~6 operations.
 - `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (layers/skinny_linear.py,
   a second copy of each weight) vs MKL's packed kernel.
-- `mkl-float32` (float32 only): float32 linears through MKL's packed GEMM (`PackedWeight.mkl`, rows as they are)
+- `mkl-float32` (float32 only): float32 linears through MKL's packed GEMM (`MklPackedLinear`, rows as they are)
   vs oneDNN's packed kernel with padded rows (what a torch build without MKL runs).
 
 Steps measured: decode of 13 sequences (prompts ~200-300 tokens, growing), then prefill steps where
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 import tgi_vlm.layers.attention.torch_backend as torch_backend
-import tgi_vlm.layers.cpu as cpu
 import tgi_vlm.layers.cpu_decoder as cpu_decoder
+import tgi_vlm.layers.linear.plan as linear_plan
 import tgi_vlm.layers.skinny_linear as skinny_linear
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.layers.cpu_decoder import remove_lean_layers
@@ -59,7 +59,7 @@ def _unpadded_causal(q, k, v, scaling):
 
 
 PADDED_CAUSAL = torch_backend.causal_attention
-MKL_PACKS_FLOAT32 = cpu.mkl_packs_float32
+MKL_PACKS_FLOAT32 = linear_plan.mkl_packs_float32
 
 
 class Side:
@@ -68,8 +68,13 @@ class Side:
     def __init__(self, name: str, path: str, with_path: bool, model: str, dtype: str):
         self.name, self.path, self.with_path = name, path, with_path
         native = with_path if path == "native-attention" else None  # None: the default (on)
+        if path == "skinny-linear":  # the linear plan reads it at load
+            skinny_linear.ENABLED = with_path
+        if path == "mkl-float32":  # the linear plan reads it at load
+            linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32 if with_path else (lambda: False)
         self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype,
                                                     native_attention=native))
+        linear_plan.mkl_packs_float32, skinny_linear.ENABLED = MKL_PACKS_FLOAT32, True
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:
             removed = remove_lean_layers(self.engine.language_model)
@@ -88,10 +93,6 @@ class Side:
             cpu_decoder.NATIVE_ROTARY = self.with_path
         if self.path == "native-norm":
             cpu_decoder.NATIVE_NORM = self.with_path
-        if self.path == "skinny-linear":  # read when a weight is packed (lazily, in this side's first step)
-            skinny_linear.ENABLED = self.with_path
-        if self.path == "mkl-float32":  # read when a weight is packed (lazily, in this side's first step) and per step
-            cpu.mkl_packs_float32 = MKL_PACKS_FLOAT32 if self.with_path else (lambda: False)
 
     def step(self, into: list[float]) -> None:
         self.enter()
@@ -120,7 +121,6 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
             side.prefill(100 + i, texts)
     torch_backend.causal_attention = PADDED_CAUSAL
     cpu_decoder.NATIVE_ROTARY = cpu_decoder.NATIVE_NORM = True
-    cpu.mkl_packs_float32 = MKL_PACKS_FLOAT32
     skinny_linear.ENABLED = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
     out = {"path": path, "dtype": dtype, "threads": torch.get_num_threads(), "decode_rows": DECODE_ROWS,

@@ -1,4 +1,4 @@
-"""What building oneDNN's kernels at warmup buys (layers/cpu.py `prime_packed_kernels`, models/warmup.py).
+"""What building oneDNN's kernels at warmup buys (layers/linear/plan.py `prime_packed_kernels`, models/warmup.py).
 
 Each side runs in a process of its own (oneDNN's kernel cache is process-wide), bench Qwen2-VL in bfloat16:
 - `primed`: the shard's default: Warmup (the router's batch, 1024-token prompts, prefill budget 2048) builds
@@ -37,7 +37,7 @@ def measure(side: str) -> dict:
 
     import tgi_vlm.models.warmup as warmup_module
     from tgi_vlm.config import EngineConfig
-    from tgi_vlm.layers.cpu import prime_packed_kernels
+    from tgi_vlm.layers.linear.plan import prime_packed_kernels
     from tgi_vlm.models import get_model
     from tgi_vlm.router.warmup import warmup_request
     from tgi_vlm.router.workload import WorkloadSpec, make_workload

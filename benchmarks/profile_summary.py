@@ -25,8 +25,8 @@ FRAMES = {
     "    SDPA": "_attend",
     "  RMSNorm": "RMSNorm.forward",
     "sampling + outputs": "FlashCausalLM.sample",
-    # layers/cpu.py's and cpu_fused.py's own forwards too
-    "linear layers (text and vision)": ("Linear.forward", "_linear_forward", "PackedWeight.__call__",
+    # layers/linear/'s kernels and modules too
+    "linear layers (text and vision)": ("Linear.forward", "_linear_forward", "KernelLinear.forward", "_product",
                                         "FusedProjections.output"),
     "patch-embedding convolution": "Conv3d.forward",
 }

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tgi_vlm.layers import cpu
-from tgi_vlm.layers.cpu import PackedWeight
+from tgi_vlm.layers.linear.kernels import MklPackedLinear, OneDnnPackedLinear, PlainWeights
 from tgi_vlm.layers.skinny_linear import skinny_weight
 
 RESULTS = Path(__file__).parent / "results"
@@ -43,20 +42,24 @@ def _time_pass(products, inputs, passes: int) -> float:
     return statistics.median(times)
 
 
+def _packed(kind, weight: torch.Tensor):
+    """A packed kernel of `kind` over `weight`, packed now, called as the native copy is: `(x, bias)`."""
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight.clone()
+    kernel = kind(PlainWeights((layer,)))
+    kernel.pack()
+    return lambda x, bias: kernel(x)
+
+
 def measure(passes: int) -> list[dict]:
     torch.manual_seed(0)
     weights = [[torch.randn(out, inp) for inp, out in SHAPES] for _ in range(LAYERS)]
     total_bytes = sum(w.numel() * 4 for layer in weights for w in layer)
     kinds = {
         "native": [[skinny_weight(w) for w in layer] for layer in weights],
-        "mkl": [[PackedWeight(w, decode_copy=False) for w in layer] for layer in weights],
+        "mkl": [[_packed(MklPackedLinear, w) for w in layer] for layer in weights],
+        "onednn": [[_packed(OneDnnPackedLinear, w) for w in layer] for layer in weights],  # a torch without MKL
     }
-    with_mkl = cpu.mkl_packs_float32
-    cpu.mkl_packs_float32 = lambda: False  # what a torch build without MKL packs: oneDNN's kernel
-    try:
-        kinds["onednn"] = [[PackedWeight(w, decode_copy=False) for w in layer] for layer in weights]
-    finally:
-        cpu.mkl_packs_float32 = with_mkl
     assert all(p is not None for layer in kinds["native"] for p in layer), "the native library did not load"
     results = []
     for rows in ROWS:

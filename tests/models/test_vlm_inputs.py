@@ -4,12 +4,13 @@ for the offending request only, and nothing leaks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import load_engine
 from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.errors import InvalidBatch
-from tgi_vlm.layers.cpu import mkl_packs_float32
+from tgi_vlm.layers.linear.kernels import mkl_packs_float32
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
@@ -37,21 +38,20 @@ def test_router_shaped_warmup_succeeds(engine):
 
 def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, monkeypatch):
     """After the warmup batch (which packs what it uses), oneDNN's kernels for every row bucket up to the
-    prefill budget are built (layers/cpu.py `prime_packed_kernels`), not left to the first serving steps; MKL's
-    float32 products build nothing and are not run (these engines are float32: without MKL, oneDNN's)."""
+    prefill budget are built (layers/linear/plan.py `prime_packed_kernels`), not left to the first serving steps;
+    MKL's float32 products build nothing and are not run (these engines are float32: without MKL, oneDNN's)."""
     import tgi_vlm.models.warmup as warmup_module
-    from tgi_vlm.layers.cpu import packed_products, row_buckets
+    from tgi_vlm.layers.linear.kernels import row_buckets
+    from tgi_vlm.layers.linear.plan import packed_products
 
     primed = []
     real = warmup_module.prime_packed_kernels
     monkeypatch.setattr(warmup_module, "prime_packed_kernels", lambda model, rows, **kw: primed.append(
         (model, rows, kw["row_caps"], real(model, rows, **kw))) or primed[-1][3])
     engine.warmup(router_warmup())
-    products = packed_products(engine.model)
-    assert products  # the warmup batch packed the weights it used
+    padded = packed_products(engine.model)  # the packed kernels that build per row count, made by the warmup batch
     caps = {engine.lm_head: 256} if engine.lm_head is not None else {}
-    padded = [weight for weight, _, _ in products if weight.pads_rows]
-    assert len(padded) == (0 if mkl_packs_float32() else len(products))
+    assert (len(padded) == 0) == mkl_packs_float32()
     built = (len(padded) * len(row_buckets(80)), row_buckets(80)[-1]) if padded else (0, 0)
     assert primed == [(engine.model, 80, caps, built)]
 
@@ -59,7 +59,11 @@ def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, mo
 def test_bf16_warmup_builds_the_kernels_of_every_prefill_row_bucket(monkeypatch):
     """The same in bf16, whose every packed product is oneDNN's."""
     import tgi_vlm.models.warmup as warmup_module
-    from tgi_vlm.layers.cpu import packed_products, row_buckets
+    from tgi_vlm.layers.linear.kernels import can_pack_weights, row_buckets
+    from tgi_vlm.layers.linear.plan import packed_products
+
+    if not can_pack_weights(torch.bfloat16):
+        pytest.skip("oneDNN cannot prepack bf16 weights on this CPU (needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)")
 
     engine = load_engine("qwen2_vl", dtype="bfloat16")
     primed = []
@@ -68,7 +72,7 @@ def test_bf16_warmup_builds_the_kernels_of_every_prefill_row_bucket(monkeypatch)
         real(model, rows, **kw)) or primed[-1])
     engine.warmup(router_warmup())
     products = packed_products(engine.model)
-    assert products and all(weight.pads_rows for weight, _, _ in products)
+    assert products and all(kernel.pads_rows for kernel, _ in products)
     assert primed == [(len(products) * len(row_buckets(80)), row_buckets(80)[-1])]
 
 

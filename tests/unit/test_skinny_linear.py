@@ -1,5 +1,5 @@
 """layers/skinny_linear.py: the native float32 loop for decode-sized linears computes F.linear to float32 rounding,
-and PackedWeight sends it exactly the products it is for."""
+and the `mkl-packed+native-skinny` kernel sends it exactly the products it is for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.test_native_decode import _avx512
-from tgi_vlm.layers import cpu, skinny_linear
+from tgi_vlm.layers import skinny_linear
+from tgi_vlm.layers.linear.kernels import MklPackedLinear, MklSkinnyLinear, PlainWeights, mkl_packs_float32
 from tgi_vlm.layers.attention import native_decode
 from tgi_vlm.layers.skinny_linear import blocked_weight, skinny_weight
 
@@ -97,20 +98,23 @@ def test_inconsistent_inputs_are_refused_before_the_c_code(native):
 def test_packed_float32_weights_use_the_loop_for_decode_rows_and_mkl_above(native, monkeypatch):
     """With a decode copy: 1..MAX_ROWS rows through the native loop, more through MKL's packed GEMM; without one
     (a model too large for a second copy) everything through MKL."""
-    assert cpu.mkl_packs_float32()
+    assert mkl_packs_float32()
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 64), torch.randn(48)
+    layers = [torch.nn.Linear(64, 48) for _ in range(2)]
+    for layer in layers:
+        layer.weight.data, layer.bias.data = weight.clone(), bias.clone()
     calls = []
     real = native_decode.NativeDecodeAttention.skinny_linear
     monkeypatch.setattr(native_decode.NativeDecodeAttention, "skinny_linear",
                         lambda self, x, *rest: calls.append(x.shape[0]) or real(self, x, *rest))
-    with_copy = cpu.PackedWeight(weight, decode_copy=True)
-    without = cpu.PackedWeight(weight, decode_copy=False)
-    assert with_copy.skinny is not None and without.skinny is None
+    with_copy = MklSkinnyLinear(PlainWeights((layers[0],)))
+    without = MklPackedLinear(PlainWeights((layers[1],)))
     for rows in (1, 13, skinny_linear.MAX_ROWS, skinny_linear.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64)
         for packed in (with_copy, without):
-            torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert with_copy.skinny is not None
     assert calls == [1, 13, skinny_linear.MAX_ROWS]
 
 
@@ -118,4 +122,6 @@ def test_switched_off_or_another_dtype_makes_no_copy(native, monkeypatch):
     assert skinny_weight(torch.randn(8, 8).to(torch.bfloat16)) is None
     monkeypatch.setattr(skinny_linear, "ENABLED", False)
     assert skinny_weight(torch.randn(8, 8)) is None
-    assert cpu.PackedWeight(torch.randn(8, 8), decode_copy=True).skinny is None
+    from tgi_vlm.layers.cpu import skinny_available
+
+    assert not skinny_available()  # the plan then gives float32 layers MKL alone

@@ -4,7 +4,7 @@ layers/cpu.py's speed-ups).
 On a 2-core CPU a bf16 decode step of the bench model spends about a third of its time outside the
 matrix products and attention, in the ~70 small operations and ~15 module calls per layer that
 transformers' Llama-family layers make. For layers whose q/k/v and gate/up projections were fused
-(layers/cpu_fused.py), this forward computes the same values with fewer steps:
+(layers/linear/fused.py), this forward computes the same values with fewer steps:
 
 - the fused q/k/v product is sliced directly (no per-member split and bookkeeping);
 - rotary is applied to the query and key heads in one pass over their joint block (the same
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
-from tgi_vlm.layers.cpu_fused import FusedProjections, fused_group
+from tgi_vlm.layers.linear.fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
 # applied by `apply_rotary_pos_emb`, gated MLP `down(act(gate(x)) * up(x))`). Not here: layers with

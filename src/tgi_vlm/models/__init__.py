@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -36,11 +37,21 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
                           trust_remote_code=trust_remote_code)
     else:
         engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code)
+    engine.linear_plan = _plan_linears(engine, config)
+    return engine
+
+
+def _plan_linears(engine, config: EngineConfig):
+    """Every linear layer's kernel (layers/linear/plan.py): CPU kernels and lean layers on CPU, `torch` elsewhere."""
+    language_model = engine.find_language_model()
     if config.device == "cpu":
         from tgi_vlm.layers.cpu import speed_up_for_cpu
 
-        speed_up_for_cpu(engine.model, language_model=engine.find_language_model(), sharded=config.world_size > 1)
-    return engine
+        return speed_up_for_cpu(engine.model, language_model=language_model, sharded=config.world_size > 1,
+                                enabled=os.environ.get("TGI_VLM_CPU_SPEEDUPS", "1") != "0")
+    from tgi_vlm.layers.linear import PlanOptions, plan_linears
+
+    return plan_linears(engine.model, PlanOptions(cpu=False), language_model=language_model)
 
 
 def choose_dtype(config: EngineConfig, hf_config) -> DtypeChoice:

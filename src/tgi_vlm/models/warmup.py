@@ -15,7 +15,7 @@ from loguru import logger
 
 from tgi_vlm.blocks import blocks_needed
 from tgi_vlm.errors import InvalidArgument
-from tgi_vlm.layers.cpu import prime_packed_kernels
+from tgi_vlm.layers.linear.plan import prime_packed_kernels
 from tgi_vlm.models.cuda_graphs import setup_decode_graphs
 from tgi_vlm.models.flash_causal_lm import LOGPROB_CHUNK_ROWS
 from tgi_vlm.pb import generate_pb2

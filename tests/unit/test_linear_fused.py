@@ -1,5 +1,5 @@
-"""layers/cpu_fused.py: q/k/v and gate/up projections of one input computed as one packed product give
-each member what its own layer gives, whatever the call order or input."""
+"""layers/linear/fused.py: q/k/v and gate/up projections of one input computed as one product give each member
+what its own layer gives, whatever the call order or input, its extra term included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tgi_vlm.layers.cpu_fused import fuse_sibling_projections
+from tgi_vlm.layers.linear import fused_group, plan
+from tgi_vlm.layers.linear.kernels import BucketedLinear, MklPackedLinear, PlainWeights, TorchLinear
+from tgi_vlm.layers.linear.modules import give_kernel
+
+KIND = {torch.float32: MklPackedLinear, torch.bfloat16: BucketedLinear}
+
+
+def fuse_sibling_projections(model: torch.nn.Module, kinds=None) -> int:
+    """Each linear of `model` on its dtype's kernel (`KIND`), then the plan's fusion."""
+    kinds = kinds or KIND
+    for module in list(model.modules()):
+        if type(module) is torch.nn.Linear:
+            give_kernel(module, kinds[module.weight.dtype](PlainWeights((module,))))
+    return plan.fuse_siblings(model)
 
 
 class Attention(torch.nn.Module):
@@ -74,7 +87,8 @@ def test_groups_with_shared_weights_mixed_dtypes_or_missing_members_are_left_alo
     del half.up_proj
     model = torch.nn.ModuleDict({"shared": shared, "other": other, "mixed": mixed, "partial": half})
     assert fuse_sibling_projections(model) == 0
-    assert "forward" not in vars(shared.q_proj)
+    assert fused_group(shared, ("q_proj", "k_proj", "v_proj")) is None
+    assert shared.q_proj.linear_kernel.name == "mkl-packed"
 
 
 def test_a_projection_layer_shared_by_two_attention_modules_is_fused_once():
@@ -84,3 +98,40 @@ def test_a_projection_layer_shared_by_two_attention_modules_is_fused_once():
     assert fuse_sibling_projections(torch.nn.ModuleDict({"a": first, "b": second})) == 1
     x = torch.randn(2, 32)
     assert second.q_proj(x).shape == (2, 48)
+
+
+def test_kernels_that_do_not_fuse_stay_apart():
+    attn = Attention(torch.float32)
+    assert fuse_sibling_projections(attn, {torch.float32: TorchLinear}) == 0
+    assert fused_group(attn, ("q_proj", "k_proj", "v_proj")) is None
+
+
+class Delta:
+    """An extra term: x @ delta.T, as a LoRA delta would add."""
+
+    def __init__(self, delta: torch.Tensor):
+        self.delta = delta
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        out += x @ self.delta.T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_member_s_extra_term_lands_in_its_own_columns_of_the_fused_product(dtype):
+    """With an extra term on k_proj only: k gets W x + D x, q and v their plain products, both through the members'
+    own calls and through the group's product that the lean layer slices."""
+    torch.manual_seed(0)
+    attn = Attention(dtype)
+    weights = plain(attn)
+    assert fuse_sibling_projections(attn) == 1
+    delta = torch.randn(16, 32, dtype=dtype) * 0.1
+    attn.k_proj.extra = Delta(delta)
+    x = torch.randn(7, 32, dtype=dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    want_k = F.linear(x, weights["k_proj"][0] + delta, weights["k_proj"][1])
+    torch.testing.assert_close(attn.k_proj(x), want_k, **tol)
+    torch.testing.assert_close(attn.q_proj(x), F.linear(x, *weights["q_proj"]), **tol)
+    group = fused_group(attn, ("q_proj", "k_proj", "v_proj"))
+    q, k, v = group.product(x).split(group.widths, dim=-1)
+    torch.testing.assert_close(k, want_k, **tol)
+    torch.testing.assert_close(v, F.linear(x, *weights["v_proj"]), **tol)
