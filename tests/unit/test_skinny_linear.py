@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from tests.unit.test_native_decode import _avx512
 from tgi_vlm.layers import skinny_linear
-from tgi_vlm.layers.linear.kernels import MklPackedLinear, MklSkinnyLinear, PlainWeights, mkl_packs_float32
 from tgi_vlm.layers.attention import native_decode
+from tgi_vlm.layers.linear.kernels import MklPackedLinear, MklSkinnyLinear, PlainWeights, mkl_packs_float32
 from tgi_vlm.layers.skinny_linear import blocked_weight, skinny_weight
 
 # Only hardware the loop is not built for skips; where it should load, failing to load fails the tests.
