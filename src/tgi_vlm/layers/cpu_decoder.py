@@ -34,7 +34,6 @@ or one whose projections were not fused, keeps transformers' forward.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -141,6 +140,8 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
 
 def _parts(layer: torch.nn.Module) -> LeanParts | None:
     """The fused groups and head counts of a covered layer, or None when it does not qualify."""
+    if _PARTS_ATTR in layer.__dict__:
+        return None  # already lean
     window_of = LEAN_LAYER_CLASSES.get(type(layer).__name__)
     if window_of is None or not type(layer).__module__.startswith("transformers.models."):
         return None  # not one of transformers' own classes (e.g. remote code reusing the name)
@@ -161,15 +162,26 @@ def _parts(layer: torch.nn.Module) -> LeanParts | None:
     return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn))
 
 
+_LEAN_CLASSES: dict[type, type] = {}
+
+
+def _lean_class(cls: type) -> type:
+    """`cls` with the lean forward: a subclass made once per layer class (the instance keeps everything else)."""
+    if cls not in _LEAN_CLASSES:
+        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": _lean_forward, "_lean_base": cls})
+    return _LEAN_CLASSES[cls]
+
+
 def install_lean_layers(language_model: torch.nn.Module) -> int:
-    """Give every covered, fused decoder layer of `language_model` the lean forward; returns the count."""
+    """Give every covered, fused decoder layer of `language_model` the lean forward (its class becomes the lean
+    subclass of its own: parameters, hooks and place in the model unchanged); returns the count."""
     count = 0
     for layer in language_model.modules():
         parts = _parts(layer)
         if parts is None:
             continue
         layer.__dict__[_PARTS_ATTR] = parts
-        layer.forward = types.MethodType(_lean_forward, layer)
+        layer.__class__ = _lean_class(type(layer))
         count += 1
     return count
 
@@ -179,6 +191,6 @@ def remove_lean_layers(language_model: torch.nn.Module) -> int:
     count = 0
     for layer in language_model.modules():
         if layer.__dict__.pop(_PARTS_ATTR, None) is not None:
-            layer.__dict__.pop("forward", None)
+            layer.__class__ = type(layer)._lean_base
             count += 1
     return count
