@@ -56,6 +56,13 @@ def assert_identical_runs(ours: Runner, reference: Runner) -> None:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
+def _sdpa_sums_in_one_order() -> bool:
+    """Whether torch's CPU SDPA kernel gave bit-equal results for the mirror's and the gather's key lengths where this
+    was measured: on AVX-512 hosts (torch's CPU capability AVX512); on an AVX2-only host (AMD EPYC, torch 2.14.1) the
+    padded lengths are summed in another order, ~5e-6 apart in float32 logits, the same tokens."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
     reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
@@ -64,7 +71,8 @@ def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
     assert mirrored_engine.attention.mirror is not None and mirrored_engine.attention.mirror.nbytes > 0
     mirrored_engine.release_idle()  # what the service calls once it holds no batch
     assert mirrored_engine.attention.mirror is None
-    assert_identical_runs(mirrored, reference)
+    # A row copied to the wrong place or read past its length moves logits by far more than float32 rounding.
+    (assert_identical_runs if _sdpa_sums_in_one_order() else assert_close_runs)(mirrored, reference)
     assert sorted(mirrored.tokens) == [0, 1, 2, 10, 11]
 
 
