@@ -130,7 +130,7 @@ async def direct(model: str, requests: list[RequestParams], concurrency: int) ->
 
 
 def http_body(params: RequestParams) -> dict:
-    from tgi_vlm.api.bench import request_body
+    from tgi_vlm.benchmarking.targets.http import request_body
 
     return request_body(params)
 

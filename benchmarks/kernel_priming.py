@@ -36,11 +36,11 @@ def measure(side: str) -> dict:
     from transformers import AutoTokenizer
 
     import tgi_vlm.models.warmup as warmup_module
+    from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
     from tgi_vlm.config import EngineConfig
     from tgi_vlm.layers.linear.plan import prime_packed_kernels
     from tgi_vlm.models import get_model
     from tgi_vlm.router.warmup import warmup_request
-    from tgi_vlm.router.workload import WorkloadSpec, make_workload
     from tgi_vlm.testing import tiny_model_path
     from tgi_vlm.testing.harness import make_batch
 

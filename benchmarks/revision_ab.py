@@ -23,8 +23,9 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tgi_vlm.router import bench
-from tgi_vlm.router.workload import WorkloadSpec, make_workload
+from tgi_vlm.benchmarking.load import Requests
+from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
+from tgi_vlm.benchmarking.targets.driver import DriverTarget
 from tgi_vlm.testing import tiny_model_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,8 +47,8 @@ def checkout(revision: str, into: Path) -> Path:
 
 def serve_once(model: str, items, spec: WorkloadSpec, dtype: str, src: Path) -> dict:
     path = os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)
-    serving = asyncio.run(bench.run_serving(model, items, spec, shard_env={"PYTHONPATH": path},
-                                            shard_args=["--dtype", dtype]))
+    target = DriverTarget(model, shard_env={"PYTHONPATH": path}, shard_args=["--dtype", dtype])
+    serving = asyncio.run(target.run(Requests(spec, items)))
     tokens = sum(len(r.tokens) for r in serving.requests if r.error is None)
     prefill = sum(s.wall_s for s in serving.steps if s.kind != "decode")
     decode = sum(s.wall_s for s in serving.steps if s.kind == "decode")

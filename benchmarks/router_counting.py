@@ -20,9 +20,11 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tgi_vlm.router import bench, session
+from tgi_vlm.benchmarking.load import Requests
+from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
+from tgi_vlm.benchmarking.targets.driver import DriverTarget
+from tgi_vlm.router import session
 from tgi_vlm.router.tokens import TokenCounter
-from tgi_vlm.router.workload import WorkloadSpec, make_workload
 from tgi_vlm.testing import tiny_model_path
 
 RESULTS = Path(__file__).parent / "results"
@@ -32,7 +34,7 @@ SIDES = {"processor": False, "shortcut": True}
 def serve_once(model: str, items, spec: WorkloadSpec, fast_count: bool, dtype: str) -> dict:
     session.TokenCounter = functools.partial(TokenCounter, fast_count=fast_count)  # what router_session builds
     try:
-        serving = asyncio.run(bench.run_serving(model, items, spec, shard_args=["--dtype", dtype]))
+        serving = asyncio.run(DriverTarget(model, shard_args=["--dtype", dtype]).run(Requests(spec, items)))
     finally:
         session.TokenCounter = TokenCounter
     tokens = sum(len(r.tokens) for r in serving.requests if r.error is None)

@@ -2,9 +2,9 @@
 
     python benchmarks/peers/export_workload.py MODEL OUT_DIR [-n 64] [--seed 0]
 
-Runs with the project's interpreter. The requests are `tgi_vlm.router.workload.make_workload`'s for the same
+Runs with the project's interpreter. The requests are `tgi_vlm.benchmarking.synthetic.make_workload`'s for the same
 spec as `tgi-vlm bench`'s defaults (WorkloadSpec's defaults: 1 image of 64-448 px per side, 16-128 text
-tokens, 16-64 new tokens, seed 0); the warm-up request is the one `tgi_vlm.router.bench.warm_up` sends. Each
+tokens, 16-64 new tokens, seed 0); the warm-up request is the one `tgi_vlm.benchmarking.targets.driver.warm_up` sends. Each
 prompt is laid out by the model's own prompt adapter (for Qwen2-VL: `<|vision_start|><|image_pad|>
 <|vision_end|>` per image, then the text; no chat template), and its token ids are computed by the router's
 TokenCounter, which runs the shard's intake code: the ids the shard prefills.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workload_file import Workload, write_workload  # noqa: E402
 
-WARMUP_TEXT = "warm up"  # tgi_vlm.router.bench.warm_up's request: its own images, this text, 2 new tokens
+WARMUP_TEXT = "warm up"  # tgi_vlm.benchmarking.targets.driver.warm_up's request: its own images, this text, 2 new tokens
 WARMUP_TOKENS = 2
 WARMUP_IMAGE_SEED = 999_983
 
@@ -30,9 +30,9 @@ def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concur
                     seed: int = 0) -> Workload:
     from transformers import AutoConfig
 
+    from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
     from tgi_vlm.images import make_test_image, png_bytes
     from tgi_vlm.router.tokens import TokenCounter
-    from tgi_vlm.router.workload import WorkloadSpec, make_workload
 
     counter = TokenCounter(model)
     if counter.prompt is None:

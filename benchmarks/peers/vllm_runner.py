@@ -5,7 +5,7 @@ r"""vLLM (CPU build) on `tgi-vlm bench`'s requests, measured the way `tgi-vlm be
 Runs with the interpreter of vLLM's own virtualenv (setup_vllm_cpu.sh); it never imports tgi_vlm. The
 requests come from a workload directory written by export_workload.py (checked against its digest on read).
 
-What is measured, as `tgi_vlm.router.bench.run_serving` does it:
+What is measured, as `tgi-vlm bench`'s driver target does it (tgi_vlm.benchmarking):
 - one warm-up request first (its own image of the first request's size, "warm up", 2 new tokens), untimed;
 - then a closed loop: `concurrency` requests in flight (the workload's, 16 by default); as one finishes the
   next is added, until all are done. Greedy, EOS ignored, exactly `max_new_tokens` per request (checked);
@@ -13,7 +13,7 @@ What is measured, as `tgi_vlm.router.bench.run_serving` does it:
   input processing, like tgi-vlm's tokenizing and processor run, counts towards its TTFT); every token
   is stamped when the engine step that produced it returns to this loop. TTFT = first token - submitted;
   inter-token latencies are the gaps between a request's consecutive tokens, pooled over requests;
-  p50/p90/p99 by numpy.percentile (as bench.percentiles); out tok/s and req/s over the loop's wall time.
+  p50/p90/p99 by numpy.percentile (as benchmarking.results.percentiles); out tok/s and req/s over the loop's wall time.
 
 The engine is vLLM's LLMEngine (add_request / step; the engine core runs in its own process, vLLM's
 default, as `LLM` does), with tgi-vlm's limits: max_num_batched_tokens 2048 (tgi-vlm's prefill budget),

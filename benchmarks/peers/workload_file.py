@@ -45,7 +45,7 @@ class Workload:
     directory: Path
     model: str  # the model directory's name (no local paths)
     model_type: str
-    spec: dict  # tgi_vlm.router.workload.WorkloadSpec.to_dict()
+    spec: dict  # tgi_vlm.benchmarking.synthetic.WorkloadSpec.to_dict()
     digest: str
     warmup: PeerRequest
     requests: list[PeerRequest]

@@ -382,130 +382,41 @@ def bench(
     turns: Annotated[int, typer.Option(help="multiturn: turns per conversation (sequential)")] = 4,
     dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP + "; with --url: what that server runs, "
                                                    "for the transformers reference")] = None,
+    target: Annotated[Optional[str], typer.Option(help="driver (the router driver against a shard) | http (a "
+                                                       "running launch at --url); default: http with --url, "
+                                                       "else driver")] = None,
 ) -> None:
     """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
     running launch, --url), vs transformers; or (--workload multiturn / shared-prefix) the driver's prefix
     cache off vs on."""
-    import asyncio
-
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from tgi_vlm.router import bench as b
-    from tgi_vlm.router.router import RouterConfig
-    from tgi_vlm.router.tokens import TokenCounter
-    from tgi_vlm.router.workload import WorkloadSpec, make_workload
-
     _setup_logging(logger_level, False)
-    if url and ignore_eos:
-        _fail("--url: TGI's HTTP API has no ignore_eos; add --no-ignore-eos (and use it for the direct run you "
-              "compare with, so both send the same requests)")
-    config = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+    from tgi_vlm.benchmarking.options import BenchError, BenchOptions, WorkloadOptions
+    from tgi_vlm.benchmarking.run import run_bench
+    from tgi_vlm.router.router import RouterConfig
+
+    load = WorkloadOptions(num_requests=num_requests, images_per_request=images_per_request, image_min=image_min,
+                           image_max=image_max, prompt_min=prompt_min, prompt_max=prompt_max, output_min=output_min,
+                           output_max=output_max, concurrency=concurrency, rate=rate, seed=seed, ignore_eos=ignore_eos,
+                           system_tokens=system_tokens, conversations=conversations, turns=turns)
+    router = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                           max_batch_prefill_tokens=max_batch_prefill_tokens, prefix_caching=prefix_caching,
                           num_shard=num_shard)
-
-    def workload_spec(system: int) -> WorkloadSpec:
-        return WorkloadSpec(num_requests, images_per_request, image_min, image_max, prompt_min, prompt_max,
-                            output_min, output_max, concurrency, rate, seed, ignore_eos=ignore_eos,
-                            system_tokens=system)
-
-    if workload in ("multiturn", "shared-prefix"):
-        _bench_prefix(model_id, workload, config, uds_path, out_dir, name, seed=seed, conversations=conversations,
-                      turns=turns, spec=workload_spec(system_tokens or 256), shard_args=dtype_args(dtype))
-        return
-    if workload != "synthetic":
-        _fail(f"unknown --workload {workload!r}; known: synthetic, multiturn, shared-prefix")
-    spec = workload_spec(system_tokens)
-    name = name or (f"serving-{Path(model_id).name}-n{num_requests}-c{concurrency if not rate else f'r{rate}'}"
-                     + ("-http" if url else ""))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    items = make_workload(spec, TokenCounter(model_id).tokenizer)
-    console = Console(stderr=True)
-    # Not a terminal (CI, a log file): rich draws nothing live, so print plain lines at every 10%.
-    progress_type = Progress if console.is_terminal else _PlainProgress
-    with progress_type(console=console) as progress:
-        task = progress.add_task("tgi-vlm", total=len(items))
-        if url:
-            from tgi_vlm.api.bench import run_serving_http
-
-            serving = asyncio.run(run_serving_http(url.rstrip("/"), items, spec, api_key=api_key,
-                                                   progress=lambda: progress.advance(task)))
-        else:
-            serving = asyncio.run(b.run_serving(
-                model_id, items, spec, uds_path=uds_path, config=config, shard_args=dtype_args(dtype),
-                profile_to=out_dir / f"{name}.pyspy.txt" if profile else None,
-                progress=lambda: progress.advance(task)))
-        reference = None
-        if hf:
-            ref_task = progress.add_task("transformers", total=len(items))
-            reference = b.run_reference(model_id, items, hf_batch_size or concurrency,
-                                        progress=lambda n: progress.advance(ref_task, n),
-                                        dtype=b.reference_dtype(model_id, serving.dtype, dtype and dtype.value))
-    report = b.summarize(spec, items, serving, reference, model_id)
-    report["transport"] = f"HTTP {url}" if url else "router driver"
-    report["num_shard"] = None if url else num_shard
-    Console(width=140).print(b.result_table(report))
-    for line in b.summary_lines(report):
-        typer.echo(line)
-    for path in b.write_results(report, out_dir, name):
-        typer.echo(f"wrote {path}")
-
-
-def _bench_prefix(model_id: str, workload: str, config, uds_path: str | None, out_dir: Path, name: str | None, *,
-                  seed: int, conversations: int, turns: int, spec, shard_args: list[str]) -> None:
-    """The prefix-cache comparison: `workload` with the driver's prefix cache off, then on."""
-    import asyncio
-
+    options = BenchOptions(model_id, workload=workload, target=target, load=load, router=router, uds_path=uds_path,
+                           shard_args=tuple(dtype_args(dtype)), url=url, api_key=api_key,
+                           dtype=dtype.value if dtype else None, hf=hf, hf_batch_size=hf_batch_size, profile=profile,
+                           out_dir=out_dir, name=name)
+    try:
+        outcome = run_bench(options)
+    except BenchError as exc:
+        _fail(str(exc))
     from rich.console import Console
 
-    from tgi_vlm.router import bench_prefix as bp
-    from tgi_vlm.router.tokens import TokenCounter
-    from tgi_vlm.router.workload import ConversationSpec, make_conversations, make_workload
-
-    tokenizer = TokenCounter(model_id).tokenizer
-    if workload == "multiturn":
-        spec = ConversationSpec(conversations=conversations, turns=turns, seed=seed)
-        items = make_conversations(spec, tokenizer)
-        total = 2 * conversations * turns
-    else:
-        items = make_workload(spec, tokenizer)
-        total = 2 * len(items)
-    name = name or f"prefix-{workload}-{Path(model_id).name}"
-    machine = bp.machine_info()
-    with _PlainProgress(Console(stderr=True)) as progress:
-        task = progress.add_task(f"{workload}, prefix caching off then on", total=total)
-        results = asyncio.run(bp.run_modes(model_id, items, spec, config=config, uds_path=uds_path,
-                                           shard_args=shard_args, progress=lambda: progress.advance(task)))
-    report = bp.compare(workload, spec, results, model_id, machine)
-    report["machine_end"] = bp.machine_info()
-    for line in bp.summary_lines(report):
+    for table in outcome.tables:
+        Console(width=140).print(table)
+    for line in outcome.lines:
         typer.echo(line)
-    for path in bp.write(report, out_dir, name):
+    for path in outcome.written:
         typer.echo(f"wrote {path}")
-
-
-class _PlainProgress:
-    """The slice of rich's Progress that `bench` uses, as plain stderr lines."""
-
-    def __init__(self, console) -> None:
-        self.console = console
-        self.tasks: dict[int, list] = {}
-
-    def __enter__(self) -> "_PlainProgress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def add_task(self, description: str, total: int) -> int:
-        self.tasks[len(self.tasks)] = [description, total, 0]
-        return len(self.tasks) - 1
-
-    def advance(self, task: int, n: int = 1) -> None:
-        description, total, done = self.tasks[task]
-        self.tasks[task][2] = done + n
-        if (done + n) * 10 // total > done * 10 // total:
-            self.console.print(f"{description}: {done + n}/{total}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from tgi_vlm.router.bench import RequestResult, ServingResult
-from tgi_vlm.router.bench_prefix import compare, markdown
-from tgi_vlm.router.workload import ConversationSpec, make_conversations
+from tgi_vlm.benchmarking.prefix_report import compare, markdown
+from tgi_vlm.benchmarking.results import RequestResult, ServingResult
+from tgi_vlm.benchmarking.synthetic import ConversationSpec, make_conversations
 from tgi_vlm.testing import tiny_model_path
 
 

@@ -9,9 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tgi_vlm import cli
-from tgi_vlm.router import bench as b
-from tgi_vlm.router import bench_prefix as bp
-from tgi_vlm.router.bench import ReferenceResult, ServingResult, reference_dtype
+from tgi_vlm.benchmarking.references import transformers as reference
+from tgi_vlm.benchmarking.references.transformers import reference_dtype
+from tgi_vlm.benchmarking.results import ReferenceResult, RequestResult, ServingResult
+from tgi_vlm.benchmarking.targets.driver import DriverTarget
 from tgi_vlm.testing import tiny_model_path
 
 runner = CliRunner()
@@ -60,25 +61,24 @@ BENCH = ["--num-requests", "2", "--concurrency", "1", "--image-min", "28", "--im
 
 
 def serving_result(dtype: str | None) -> ServingResult:
-    return ServingResult(1.0, [b.RequestResult([1], 0.0, [0.5]), b.RequestResult([2], 0.0, [0.5])], [], {},
-                         dtype=dtype)
+    return ServingResult(1.0, [RequestResult([1], 0.0, [0.5]), RequestResult([2], 0.0, [0.5])], [], {}, dtype=dtype)
 
 
-@pytest.mark.parametrize(("flags", "shard_args"), [([], []), (["--dtype", "float32"], ["--dtype", "float32"])])
+@pytest.mark.parametrize(("flags", "shard_args"), [([], ()), (["--dtype", "float32"], ("--dtype", "float32"))])
 def test_bench_passes_dtype_to_the_shard_and_runs_the_reference_in_the_shards_dtype(monkeypatch, tmp_path, flags,
                                                                                     shard_args):
     served, referenced = [], []
 
-    async def run_serving(model_id, items, spec, **kwargs):
-        served.append(kwargs["shard_args"])
+    async def run(target, load, **kwargs):
+        served.append(target.shard_args)
         return serving_result("bfloat16" if not flags else "float32")
 
     def run_reference(model_id, items, batch_size, progress=None, dtype="float32"):
         referenced.append(dtype)
         return ReferenceResult(1.0, [[1], [2]], [1.0], dtype)
 
-    monkeypatch.setattr(b, "run_serving", run_serving)
-    monkeypatch.setattr(b, "run_reference", run_reference)
+    monkeypatch.setattr(DriverTarget, "run", run)
+    monkeypatch.setattr(reference, "run_reference", run_reference)
     model = str(tiny_model_path("qwen2_vl"))
     result = runner.invoke(cli.app, ["bench", model, *BENCH, *flags, "--out-dir", str(tmp_path), "--name", "r"])
     assert result.exit_code == 0, result.output
@@ -90,14 +90,17 @@ def test_bench_passes_dtype_to_the_shard_and_runs_the_reference_in_the_shards_dt
 def test_bench_prefix_workloads_pass_dtype_to_both_shards(monkeypatch, tmp_path):
     calls = []
 
-    async def run_modes(model_id, items, spec, **kwargs):
-        calls.append(kwargs["shard_args"])
-        raise Recorded
+    async def run(target, load, *, prefix_caching=None, **kwargs):
+        calls.append((prefix_caching, target.shard_args))
+        if len(calls) == 2:
+            raise Recorded
+        return serving_result("bfloat16")
 
-    monkeypatch.setattr(bp, "run_modes", run_modes)
+    monkeypatch.setattr(DriverTarget, "run", run)
     result = runner.invoke(cli.app, ["bench", str(tiny_model_path("qwen2_vl")), "--workload", "shared-prefix",
                                      "--dtype", "bfloat16", *BENCH, "--out-dir", str(tmp_path)])
-    assert isinstance(result.exception, Recorded) and calls == [["--dtype", "bfloat16"]]
+    assert isinstance(result.exception, Recorded)
+    assert calls == [(False, ("--dtype", "bfloat16")), (True, ("--dtype", "bfloat16"))]
 
 
 def test_the_reference_dtype_is_the_shards_else_the_flag_else_this_cpus_default(monkeypatch):

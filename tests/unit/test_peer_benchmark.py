@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 from transformers import AutoProcessor
 
-from tgi_vlm.router import bench
+from tgi_vlm.benchmarking.results import percentiles
+from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
+from tgi_vlm.benchmarking.targets.driver import warm_up
 from tgi_vlm.router.tokens import TokenCounter
-from tgi_vlm.router.workload import WorkloadSpec, make_workload
 from tgi_vlm.testing import tiny_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))  # as the scripts run
@@ -66,7 +67,7 @@ def test_the_warm_up_request_is_the_one_tgi_vlm_bench_sends(exported):
             return SimpleNamespace(final=lambda: asyncio.sleep(0))
 
     sizes = [f.size for f in workload.requests[0].images]
-    asyncio.run(bench.warm_up(Router(), sizes))
+    asyncio.run(warm_up(Router(), sizes))
     (params,) = sent
     warm = workload.warmup
     assert params.chunks == [*(workload.image_bytes(f) for f in warm.images), "warm up"]
@@ -133,7 +134,7 @@ def test_the_closed_loop_keeps_concurrency_in_flight_and_measures_as_bench_does(
     s = vllm_runner.serving_summary(timings, wall, ours)
     assert s["wrong_output_lengths"] == [2] and s["failed"] == 1  # request 2 wanted 4 tokens, made 3
     assert (s["out_tok_per_s"], s["req_per_s"], s["output_tokens"]) == (0.6, 0.2, 6)
-    assert s["ttft_s"] == bench.percentiles([1.0, 1.0, 2.0]) and s["itl_s"] == bench.percentiles([2.0, 3.0, 4.0])
+    assert s["ttft_s"] == percentiles([1.0, 1.0, 2.0]) and s["itl_s"] == percentiles([2.0, 3.0, 4.0])
     check = s["prompt_check"]
     assert (check["identical"], check["requests_differing"], check["tgi_vlm_prompt_tokens"],
             check["vllm_prompt_tokens"]) == (False, 1, 5, 5)

@@ -13,7 +13,7 @@
     errors.py      TGI's {"error", "error_type"} answers · guards.py: API key, payload limit
     disconnect.py  non-streaming requests cancelled when their client goes away
     metrics.py     Prometheus text under TGI's metric names
-    bench.py       the HTTP client behind `tgi-vlm bench --url`
 
-Nothing here imports the engine or the shard server (tests/unit/test_layering.py).
+Nothing here imports the engine, the shard server or the benchmarks (`tgi-vlm bench --url` is
+benchmarking/targets/http.py); tests/unit/test_layering.py checks what importing it loads.
 """

@@ -1,24 +1,33 @@
-"""get_model(): a model directory (or hub id) → a ready FlashCausalLM or VlmCausalLM."""
+"""get_model(): a model directory (or hub id) → a ready FlashCausalLM or VlmCausalLM.
+
+The engine (torch, the attention backends, tensor parallelism) is imported inside `get_model`, not
+here: the router's token counter imports this package's prompt side (`request_input`, `vlm_intake`,
+`architectures`' prompt half), and a package's `__init__` runs whenever one of its modules is imported
+(tests/unit/test_layering.py checks what that loads).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from loguru import logger
 
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.dtypes import DtypeChoice, checkpoint_dtype, cpu_has_native_bf16, resolve_dtype
-from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
-from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, load_kwargs, plan_layout
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    from tgi_vlm.models.tensor_parallel import ShardLayout
 
 
 def get_model(model_id: str, config: EngineConfig, *, revision: str | None = None, trust_remote_code: bool = False):
+    import torch
     from transformers import AutoConfig
+
+    from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
+    from tgi_vlm.models.tensor_parallel import plan_layout
 
     backend = resolve_backend(config.attention, config.device)
     attn_name = register_paged_attention()  # one dispatcher; the backend object belongs to the model
@@ -27,7 +36,7 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     choice = choose_dtype(config, hf_config)
     config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
-    dtype = DTYPES[choice.name]
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[choice.name]
     # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
     layout = plan_layout(hf_config, config.rank, config.world_size)
     if _is_vision_language(hf_config):
@@ -82,6 +91,7 @@ def _load_text_model(model_id, hf_config, config: EngineConfig, attn_name, dtype
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
+    from tgi_vlm.models.tensor_parallel import keep_own_kv_head, load_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(
         model_id,

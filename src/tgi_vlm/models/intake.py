@@ -7,7 +7,8 @@ Two stages, so that a batch is validated completely before anything is allocated
    `InvalidRequest` naming the request.
 Grammars compile off the model thread: `start_grammars` starts every request's compile when its
 batch arrives, and `make_sequence` waits for its own at most until the compile deadline.
-`request_chunks` is the one place a request's input is unpacked (engine, router counter, tests).
+A request's chunks and left truncation come from `request_input.py` (re-exported here for the engine),
+which the router's token counter imports without the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tgi_vlm.generation import (
     TokenChooser,
     validate_parameters,
 )
+from tgi_vlm.models.request_input import request_chunks, truncate_ids  # noqa: F401 - the engine's names
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.pb import generate_pb2
 from tgi_vlm.prefix_hash import ImageRef
@@ -43,19 +45,6 @@ class TokenizedPrompt:
     @property
     def images(self) -> list:
         return self.mm.images if self.mm is not None else []
-
-
-def request_chunks(request: generate_pb2.Request) -> list[str | bytes]:
-    """The request's input in prompt order: text as str, each image as its encoded bytes.
-    A request without `input_chunks` is its `inputs` string (older routers)."""
-    if not request.HasField("input_chunks") or not request.input_chunks.chunks:
-        return [request.inputs]
-    return [c.text if c.WhichOneof("chunk") == "text" else c.image.data for c in request.input_chunks.chunks]
-
-
-def truncate_ids(ids: list[int], truncate: int) -> list[int]:
-    """Keep the last `truncate` tokens, as TGI does (truncation_side="left"); 0 means no limit."""
-    return ids[-truncate:] if truncate and len(ids) > truncate else ids
 
 
 def start_grammars(model: FlashCausalLM, requests) -> None:

@@ -15,7 +15,7 @@ from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.images import ImageError, decode_image
 from tgi_vlm.models.architectures.base import VlmPrompt
 from tgi_vlm.models.image_spans import ImageSpan, locate_spans
-from tgi_vlm.models.intake import request_chunks
+from tgi_vlm.models.request_input import request_chunks
 from tgi_vlm.pb import generate_pb2
 
 # Processor outputs laid out along the prompt (cut with it by truncation).

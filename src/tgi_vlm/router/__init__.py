@@ -1,4 +1,5 @@
-"""A Python stand-in for TGI's v3 router, for `generate`, `bench` and end-to-end tests.
+"""A Python stand-in for TGI's v3 router, for `launch`, `generate`, the benchmarks (benchmarking/) and
+end-to-end tests.
 
     allocator.py  BlockAllocator: blocks + slots per request, block 0 reserved (no prefix cache)
     prefix_cache.py  PrefixCache: cached prompt blocks keyed on ids + images, refcounts, LRU; PrefixStats

@@ -1,4 +1,8 @@
-"""What a caller submits to the router and what comes back: parameters in, events out."""
+"""What a caller submits to the router and what comes back: parameters in, events out.
+
+Imports only the generated protobuf types: the HTTP front end and the test fixtures build requests
+with these without loading the engine (finish reasons are read from the wire enum, not `generation/`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tgi_vlm.generation import FinishReason
 from tgi_vlm.pb import generate_pb2 as pb
 
 
@@ -114,6 +117,11 @@ def tokens_from_pb(tokens: pb.Tokens) -> tuple[Token, ...]:
     return tuple(Token(i, t, lp, bool(s)) for i, t, lp, s in zip(tokens.ids, texts, logprobs, special))
 
 
+def finish_reason_name(value: int) -> str:
+    """A wire `FinishReason` as TGI's API spells it: "length", "eos_token", "stop_sequence"."""
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
 @dataclass(frozen=True)
 class FinalEvent:
     """The last event of every stream: the generated text, or why there is none."""
@@ -142,7 +150,7 @@ class FinalEvent:
             time=time.perf_counter(),
             text=generated.text,
             generated_tokens=generated.generated_tokens,
-            finish_reason=FinishReason(generated.finish_reason).name.lower(),  # "length", "eos_token", ...
+            finish_reason=finish_reason_name(generated.finish_reason),
             seed=generated.seed if generated.HasField("seed") else None,
             input_length=input_length,
             prefill=prefill,

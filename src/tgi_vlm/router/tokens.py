@@ -27,7 +27,7 @@ from loguru import logger
 
 from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidRequest
-from tgi_vlm.models.intake import request_chunks, truncate_ids
+from tgi_vlm.models.request_input import request_chunks, truncate_ids
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.prefix_hash import ImageRef
 

@@ -1,7 +1,7 @@
 """The per-architecture adapter: everything that differs between VLMs, and nothing else.
 
 Two halves, so that code holding only a processor (the router's token counter) never builds a
-model-side object:
+model-side object (nor imports the attention backends: the model half imports them where it uses them):
 - `VlmPrompt` (no weights): the placeholder of one image, the prompt layout, the processor on the
   whole prompt and on each image alone, bidirectional attention groups.
 - `VlmAdapter` (the loaded model): vision features, the language model, per-sequence adapter state
@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from tgi_vlm.layers.attention import AttentionPattern
-
 if TYPE_CHECKING:
+    from tgi_vlm.layers.attention import AttentionPattern
     from tgi_vlm.models.step import StepInputs
 
 # Processor outputs that are not pixel inputs of the vision tower.
@@ -140,6 +139,8 @@ class VlmAdapter:
 
     def attention_pattern(self) -> AttentionPattern:
         """Per-layer attention facts of the language model (default: none beyond sliding windows)."""
+        from tgi_vlm.layers.attention import AttentionPattern  # model side only: the prompt half stays light
+
         return AttentionPattern()
 
     def adapter_state(self, processed: dict, input_ids: list[int], spans: list) -> object | None:

@@ -5,12 +5,15 @@ the vision model's output goes through the multi-modal projector; the text layer
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch
 
-from tgi_vlm.layers.attention import AttentionPattern
 from tgi_vlm.models.architectures.base import VlmAdapter, _to, flatten_features
 from tgi_vlm.models.architectures.registry import register
+
+if TYPE_CHECKING:
+    from tgi_vlm.layers.attention import AttentionPattern
 
 
 @register
@@ -35,6 +38,8 @@ class Llama4Adapter(VlmAdapter):
         return self.model.language_model.model
 
     def attention_pattern(self) -> AttentionPattern:
+        from tgi_vlm.layers.attention import AttentionPattern  # model side only (base.py)
+
         text = self.config.get_text_config()
         layer_types = getattr(text, "layer_types", None) or []
         size = getattr(text, "attention_chunk_size", None)

@@ -1,6 +1,7 @@
-"""Synthetic serving workloads: requests with images of varied sizes, prompt and output lengths
-(`make_workload`, optionally all opening with one system prompt), and multi-turn conversations that
-resend their growing history every turn (`make_conversations`)."""
+"""Synthetic requests: images of varied sizes (generated test images), prompts of random words, output
+lengths (`make_workload`, optionally all opening with one system prompt), and multi-turn conversations
+that resend their growing history every turn (`make_conversations`). Deterministic for a seed: the same
+bytes and lengths every run (benchmarks/peers replays them on other engines)."""
 
 from __future__ import annotations
 

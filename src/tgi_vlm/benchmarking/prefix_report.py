@@ -1,89 +1,23 @@
-"""`tgi-vlm bench --workload multiturn|shared-prefix`: the same workload with the driver's prefix cache
-off, then on, each on a fresh shard, reported side by side.
+"""The prefix-cache comparison's report: the workload with the driver's prefix cache off, then on, side by
+side (`tgi-vlm bench --workload multiturn|shared-prefix`, comparison "prefix-caching").
 
-multiturn: conversations run concurrently, turns one after another within a conversation; turn t
-resends the whole history (shared system prompt, the conversation's images, questions and the
-answers the model gave). shared-prefix: independent requests that open with one system prompt
-(closed loop, `concurrency` in flight). Figures: TTFT of turns ≥ 2 (multiturn) or of every request,
-output tokens/s, the prefix hit rate (prompt tokens reused / prompt tokens), blocks cached,
-evictions, and whether both modes produced the same tokens (greedy: they must).
+Figures: TTFT of turns >= 2 (multiturn) or of every request, output tokens/s, the prefix hit rate (prompt
+tokens reused / prompt tokens), blocks cached, evictions, and whether both modes produced the same tokens
+(greedy: they must). JSON and a markdown table.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
-from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tgi_vlm.router.bench import (
-    CpuClock,
-    RequestResult,
-    ServingResult,
-    percentiles,
-    run_serving,
-    time_split,
-    warm_up,
-)
-from tgi_vlm.router.router import RouterConfig
-from tgi_vlm.router.session import router_session
-from tgi_vlm.router.workload import Conversation, ConversationSpec, WorkItem, WorkloadSpec
+from tgi_vlm.benchmarking.report import time_split
+from tgi_vlm.benchmarking.results import ServingResult, percentiles
 
-MODES = (("off", False), ("on", True))
+MODES = (("off", False), ("on", True))  # (report key, prefix caching), in the order they run
 
-
-async def run_chats(model_id: str, conversations: list[Conversation], *, config: RouterConfig,
-                    uds_path: str | None = None, shard_env: dict | None = None, shard_args: Sequence[str] = (),
-                    progress=None) -> ServingResult:
-    """Every conversation concurrently; results ordered conversation by conversation, turn by turn."""
-    async with router_session(model_id, uds_path=uds_path, shard_env=shard_env, shard_args=shard_args,
-                              config=config) as session:
-        router = session.router
-        await warm_up(router, conversations[0].image_sizes)
-        turns = len(conversations[0].questions)
-        results: list[RequestResult | None] = [None] * (len(conversations) * turns)
-
-        async def talk(c: int, conversation: Conversation) -> None:
-            history = list(conversation.opening)
-            for t in range(turns):
-                params = conversation.turn(history, t)
-                submitted = time.perf_counter()
-                tokens, final = await (await router.submit(params)).final()
-                results[c * turns + t] = RequestResult([e.token_id for e in tokens], submitted,
-                                                       [e.time for e in tokens], final.error, turn=t)
-                history += [conversation.questions[t], final.text]
-                if progress is not None:
-                    progress()
-
-        cpu = CpuClock(session.shard)
-        start = time.perf_counter()
-        await asyncio.gather(*[talk(c, conv) for c, conv in enumerate(conversations)])
-        wall = time.perf_counter() - start
-        return ServingResult(wall, results, list(router.steps), dict(router.calls), {}, router.prefix_stats.to_dict(),
-                             cpu.used(), router.shard.info.dtype)
-
-
-async def run_modes(model_id: str, workload: list[Conversation] | list[WorkItem], spec: ConversationSpec | WorkloadSpec,
-                    *, config: RouterConfig, uds_path: str | None = None, shard_env: dict | None = None,
-                    shard_args: Sequence[str] = (), progress=None) -> dict[str, ServingResult]:
-    """The workload once per mode (prefix caching off, then on)."""
-    results = {}
-    for name, on in MODES:
-        mode_config = replace(config, prefix_caching=on)
-        if isinstance(spec, ConversationSpec):
-            results[name] = await run_chats(model_id, workload, config=mode_config, uds_path=uds_path,
-                                            shard_env=shard_env, shard_args=shard_args, progress=progress)
-        else:
-            results[name] = await run_serving(model_id, workload, spec, uds_path=uds_path, shard_env=shard_env,
-                                              shard_args=shard_args, config=mode_config, progress=progress)
-    return results
-
-
-# ----- report --------------------------------------------------------------------------------
 
 def mode_report(serving: ServingResult) -> dict:
     ok = [r for r in serving.requests if r.error is None]
