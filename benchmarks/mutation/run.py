@@ -89,10 +89,10 @@ GROUPS: dict[str, dict] = {
                 "check_request",
                 "check_slots",
                 "claim_slots",
-                "truncate_ids",
-                "request_chunks",
                 "check_cached_prefix",
             ],
+            # request_chunks and truncate_ids, moved out of intake.py so the router loads them without the engine
+            "src/tgi_vlm/models/request_input.py": ["*"],
             # error mapping and refusals before any cached batch is touched. _rpc is left out: it runs
             # at class-definition time, before a mutant is switched on, so its mutants cannot be killed.
             "src/tgi_vlm/server/service.py": [
