@@ -123,10 +123,14 @@ class StepContext:
 
     # ----- device views (built on first use, once per step) -----
     @cached_property
+    def _host_row_seq(self) -> torch.Tensor:
+        counts = torch.tensor([e - s for s, e in zip(self.row_starts, self.row_starts[1:])], dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(self.num_seqs), counts)  # [T] on the host
+
+    @cached_property
     def row_seq(self) -> torch.Tensor:
         """`[T]` long: the step sequence of every row."""
-        counts = torch.tensor([e - s for s, e in zip(self.row_starts, self.row_starts[1:])], dtype=torch.long)
-        return torch.repeat_interleave(torch.arange(self.num_seqs), counts).to(self.device)
+        return self._host_row_seq.to(self.device)
 
     @cached_property
     def row_adapter(self) -> torch.Tensor:
@@ -135,7 +139,7 @@ class StepContext:
             return self.static_adapters
         if not self.uses_adapters:
             return torch.zeros(self.num_rows, dtype=torch.long, device=self.device)
-        return torch.tensor(self.adapters, dtype=torch.long)[self.row_seq.cpu()].to(self.device)
+        return torch.tensor(self.adapters, dtype=torch.long)[self._host_row_seq].to(self.device)
 
     @cached_property
     def adapter_groups(self) -> tuple[AdapterRows, ...]:
