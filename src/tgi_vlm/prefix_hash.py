@@ -6,6 +6,12 @@ block's token ids and, for every image whose span overlaps the block, the image'
 to the same placeholder ids) but whose images differ get different keys from the first block that
 holds an image token. Keys are sha256: a prefix cache keyed by a weak hash can be made to collide.
 Only full blocks have keys; a partial last block is never shared.
+
+The chain starts from a namespace, `namespace_root(adapter_id, salt)`: everything besides the tokens
+and images that changes what a block's K/V hold (a LoRA adapter changes every layer's K and V; a
+tenant's cache salt keeps tenants apart). Equal token ids under two namespaces share no block, at
+any position, because every key chains the root. Keys are process-local values (never sent on the
+wire): the shard's records and the driver's cache agree because both call these functions.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ROOT = b"tgi-vlm-prefix-v1"
+KEY_VERSION = b"tgi-vlm-prefix-v2"  # change it when the key layout changes
 
 
 @dataclass(frozen=True)
@@ -30,17 +36,31 @@ class ImageRef:
         return self.offset + self.length
 
 
-def block_keys(ids: Sequence[int], images: Sequence[ImageRef], block_size: int, limit: int | None = None) -> list[bytes]:
-    """Keys of the full blocks of `ids[:limit]` (limit defaults to all ids), in order."""
+def namespace_root(adapter_id: str = "", salt: str = "") -> bytes:
+    """The parent of block 0's key for requests run with `adapter_id` ("" = base model) and cache
+    `salt` ("" = none): sha256 of KEY_VERSION and the length-prefixed fields, so ("", "") is one fixed
+    root and no two field tuples give the same bytes."""
+    h = hashlib.sha256(KEY_VERSION)
+    for name, value in (("adapter", adapter_id), ("salt", salt)):
+        data = value.encode()
+        h.update(f"|{name}:{len(data)}:".encode() + data)
+    return h.digest()
+
+
+def block_keys(ids: Sequence[int], images: Sequence[ImageRef], block_size: int, limit: int | None = None, *,
+               root: bytes) -> list[bytes]:
+    """Keys of the full blocks of `ids[:limit]` (limit defaults to all ids), in order, chained from
+    `root` (a `namespace_root`; required, so no caller forgets the adapter)."""
     n = len(ids) if limit is None else min(limit, len(ids))
     keys: list[bytes] = []
     for start in range(0, n - n % block_size, block_size):
-        keys.append(chain_key(keys[-1] if keys else ROOT, ids, images, start, start + block_size))
+        keys.append(chain_key(keys[-1] if keys else root, ids, images, start, start + block_size))
     return keys
 
 
 def chain_key(parent: bytes, ids: Sequence[int], images: Sequence[ImageRef], start: int, end: int) -> bytes:
-    """Key of the block holding positions [start, end) of `ids`, after the block keyed `parent`."""
+    """Key of the block holding positions [start, end) of `ids`, after the block keyed `parent` (for
+    block 0, the request's `namespace_root`)."""
     h = hashlib.sha256(parent)
     h.update(b"t" + ",".join(map(str, ids[start:end])).encode())
     for image in images:

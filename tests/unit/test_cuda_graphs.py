@@ -10,6 +10,7 @@ import torch
 from tests.conftest import load_engine
 from tgi_vlm.config import DEFAULT_CUDA_GRAPHS
 from tgi_vlm.layers.attention import AttentionMetadata, DecodeGroup, KVCacheSpec, PagedKVCache, PrefillSpan
+from tgi_vlm.layers.step_context import StepContext
 from tgi_vlm.models.cuda_graphs import (
     CapturedDecode,
     DecodeGraphs,
@@ -130,6 +131,39 @@ def test_static_metadata_views_the_static_buffers():
     meta = static.metadata
     assert meta.slots is static.slots and meta.decode.slot_index is static.slot_index
     assert meta.decode.kv_lens is static.kv_lens and meta.decode.rows_are_all and meta.prefills == []
+
+
+def _adapter_context(adapters: list[int]) -> StepContext:
+    """A decode step's context: one row per sequence."""
+    n = len(adapters)
+    return StepContext(request_ids=tuple(range(n)), row_starts=tuple(range(n + 1)), adapter_ids=("x",) * n,
+                       adapters=tuple(adapters), device=torch.device("cpu"))
+
+
+def test_fill_copies_each_rows_adapter_into_the_static_buffer_and_padding_rows_get_the_base_model():
+    cache = _cache()
+    static = StaticDecodeInputs.allocate(4, 2, 1, max_kv_len=16, kv_cache=cache, dtype=torch.float32,
+                                         device=torch.device("cpu"))
+    for adapters in ([2, 0, 5], [1, 1], [0]):
+        meta = _decode_meta([3] * len(adapters), cache)
+        b = len(adapters)
+        static.fill(plan_replay(meta, (4,), 16), torch.zeros(b, 2), torch.zeros(1, b, dtype=torch.long), meta,
+                    _adapter_context(adapters))
+        assert static.adapters.tolist() == adapters + [0] * (4 - b)  # no stale index from the larger step
+    static.fill(plan_replay(meta, (4,), 16), torch.zeros(1, 2), torch.zeros(1, 1, dtype=torch.long), meta, None)
+    assert static.adapters.tolist() == [0, 0, 0, 0]  # no context: every row the base model
+
+
+def test_the_graphed_context_layers_read_views_the_static_adapter_buffer():
+    static, _, _, _ = _filled([5, 9, 2])
+    assert static.context.graphed and static.context.row_adapter is static.adapters
+    assert static.adapters.shape == (4,) and static.adapters.dtype == torch.long
+
+
+def test_fill_refuses_a_context_of_another_step():
+    static, meta, embeds, positions = _filled([5, 9, 2])
+    with pytest.raises(ValueError, match="the step context has 2 rows but the decode step has 3"):
+        static.fill(plan_replay(meta, (4,), 16), embeds, positions, meta, _adapter_context([1, 1]))
 
 
 def test_replay_slices_the_padded_output_back_to_the_batch_and_calls_the_backend_hook():

@@ -67,6 +67,7 @@ class Validator:
             do_sample=p.do_sample, seed=secrets.randbits(64) if p.seed is None else p.seed,
             stop_sequences=list(p.stop), truncate=truncate, prefill_logprobs=p.decoder_input_details,
             top_n_tokens=p.top_n_tokens or 0, watermark=p.watermark, add_special_tokens=add_special_tokens,
+            adapter_id=p.adapter_id or "",
         )
         params.grammar, params.grammar_type = grammar_fields(p.grammar)
         prompt = await self._prompt_tokens(params) if self.prompt_tokens else None

@@ -1,4 +1,4 @@
-"""When a request stops: EOS token, a stop sequence in its output text, or max_new_tokens."""
+"""When a request stops, in the order checked: max_new_tokens, an EOS token, a stop sequence in its text."""
 
 from __future__ import annotations
 

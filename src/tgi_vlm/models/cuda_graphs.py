@@ -9,7 +9,13 @@ padded buffers, so everything but the capture itself is exercised without a GPU.
 
 Padding rows (B..S-1) are inert: inputs_embeds 0, positions 0, slot 0 (reserved block 0, see
 kv_cache.py), slot_index all 0 and kv length 1, so each padding row attends only to slot 0,
-which it has just written itself. Their outputs are sliced off.
+which it has just written itself; adapter index 0 (the base model). Their outputs are sliced off.
+
+Layers read the step context (layers/step_context.py) through `current()`. A graph cannot see a new
+Python object at replay, so each size has one graphed context (`StepContext.for_graph`), set around
+the forward at capture (and around every eager stand-in replay), whose `row_adapter` is the static
+adapter-index buffer `[S]`; `fill` copies the step's adapter indices into it, padding rows 0, and
+skips the copy when the buffer already holds them (always, while no adapter is loaded).
 
 The model's attention backend (layers/attention/backend.py) gets `prepare_for_capture(meta, size)`
 and `prepare_for_replay(meta, size)` on the host, outside the graph, before capture and before
@@ -26,6 +32,7 @@ import torch
 from loguru import logger
 
 from tgi_vlm.layers.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PagedKVCache
+from tgi_vlm.layers.step_context import BASE_ADAPTER, StepContext, using
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,9 @@ class StaticDecodeInputs:
     """The buffers one captured graph reads. Allocated once per size; filled before every replay.
 
     inputs_embeds `[1, S, H]`, position_ids `[1, S]` or `[3, 1, S]` (mrope), slots `[S]`,
-    slot_index `[S, max_kv]` (each row the cache slot of positions 0..max_kv-1), kv_lens `[S]`.
-    `metadata` views exactly these tensors, so the graph sees every refill.
+    slot_index `[S, max_kv]` (each row the cache slot of positions 0..max_kv-1), kv_lens `[S]`,
+    adapters `[S]` (adapter index per row, 0 = base model). `metadata` views exactly these tensors and
+    `context.row_adapter` is `adapters`, so the graph sees every refill.
     """
 
     inputs_embeds: torch.Tensor
@@ -75,6 +83,12 @@ class StaticDecodeInputs:
     slot_index: torch.Tensor
     kv_lens: torch.Tensor
     metadata: AttentionMetadata
+    context: StepContext  # graphed: its static_adapters is the adapters buffer
+    adapter_list: list[int]  # what `adapters` holds now, on the host (a refill copies only on change)
+
+    @property
+    def adapters(self) -> torch.Tensor:
+        return self.context.static_adapters
 
     @classmethod
     def allocate(cls, size: int, hidden: int, position_rows: int, max_kv_len: int, kv_cache: PagedKVCache,
@@ -90,14 +104,17 @@ class StaticDecodeInputs:
                              row_list=list(range(size)), kv_len_list=[1] * size)
         metadata = AttentionMetadata(kv_cache=kv_cache, slots=slots, decode=decode, prefills=[], backend=backend)
         embeds = torch.zeros((1, size, hidden), dtype=dtype, device=device)
-        return cls(embeds, positions, slots, slot_index, kv_lens, metadata)
+        context = StepContext.for_graph(size, device)
+        return cls(embeds, positions, slots, slot_index, kv_lens, metadata, context, [BASE_ADAPTER] * size)
 
     @property
     def size(self) -> int:
         return int(self.slots.shape[0])
 
-    def fill(self, plan: GraphPlan, embeds: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Copy one decode step (`embeds [B, H]`, `position_ids [..., B]`) in; padding rows get inert values."""
+    def fill(self, plan: GraphPlan, embeds: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
+             context: StepContext | None = None) -> None:
+        """Copy one decode step (`embeds [B, H]`, `position_ids [..., B]`, the step's context: one row
+        per sequence; None = every row the base model) in; padding rows get inert values."""
         b, w = plan.batch, plan.kv_width
         if position_ids.shape[:-1] != self.position_ids.shape[:-1]:
             raise ValueError(
@@ -118,6 +135,16 @@ class StaticDecodeInputs:
         # The host copy of the lengths, for backend planning without a device read-back.
         self.metadata.decode.kv_len_list = meta.decode.kv_len_list + [1] * plan.pad
         self.metadata.clear_masks()  # eager stand-in only; a real graph recomputes masks on replay
+        self._fill_adapters(plan, context)
+
+    def _fill_adapters(self, plan: GraphPlan, context: StepContext | None) -> None:
+        if context is not None and context.num_rows != plan.batch:
+            raise ValueError(f"the step context has {context.num_rows} rows but the decode step has {plan.batch}")
+        step = list(context.adapters) if context is not None else [BASE_ADAPTER] * plan.batch
+        wanted = step + [BASE_ADAPTER] * plan.pad
+        if wanted != self.adapter_list:
+            self.adapters.copy_(torch.tensor(wanted, dtype=torch.long))
+            self.adapter_list = wanted
 
 
 @dataclass
@@ -145,10 +172,10 @@ class DecodeGraphs:
         return plan_replay(meta, self.sizes, self.max_kv_len)
 
     def replay(self, plan: GraphPlan, embeds: torch.Tensor, position_ids: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, context: StepContext | None = None) -> torch.Tensor:
         """Hidden states `[B, H]` of the step: fill, prepare the backend, run, slice the padding off."""
         entry = self.entries[plan.size]
-        entry.inputs.fill(plan, embeds, position_ids, meta)
+        entry.inputs.fill(plan, embeds, position_ids, meta, context)
         self.backend.prepare_for_replay(entry.inputs.metadata, plan.size)
         return entry.run()[: plan.batch]
 
@@ -203,12 +230,13 @@ def _capture_one(forward: Forward, inputs: StaticDecodeInputs, backend: Attentio
 
 def _language_forward(model) -> Forward:
     def forward(inputs: StaticDecodeInputs) -> torch.Tensor:
-        out = model.language_model(
-            inputs_embeds=inputs.inputs_embeds,
-            position_ids=inputs.position_ids,
-            attn_metadata=inputs.metadata,
-            use_cache=False,
-        )
+        with using(inputs.context):  # the graphed context: layers capture reads of its static buffer
+            out = model.language_model(
+                inputs_embeds=inputs.inputs_embeds,
+                position_ids=inputs.position_ids,
+                attn_metadata=inputs.metadata,
+                use_cache=False,
+            )
         return out.last_hidden_state[0]  # [S, H]
 
     return forward

@@ -27,7 +27,9 @@ from tgi_vlm.generation import (
     top_n,
 )
 from tgi_vlm.layers.attention import AttentionPattern, KVCacheSpec, PagedKVCache, make_backend
+from tgi_vlm.layers.step_context import using
 from tgi_vlm.models import intake
+from tgi_vlm.models.adapter_table import AdapterTable
 from tgi_vlm.models.intake import TokenizedPrompt
 from tgi_vlm.models.outputs import EmittedToken, OutputBuilder
 from tgi_vlm.models.prefix_cache import BlockRecords
@@ -140,7 +142,8 @@ class FlashCausalLM(ShardModel):
     """A transformers causal LM run on our paged KV cache with packed ragged batches.
 
     Owns: the KV cache and its block pool (server-allocated blocks), the attention backend, the
-    limits Warmup sets (`max_total_tokens`, `prefill_budget`) and the captured decode graphs.
+    limits Warmup sets (`max_total_tokens`, `prefill_budget`), the captured decode graphs and the
+    LoRA adapter table (`adapter_table`).
     """
 
     batch_type = FlashCausalLMBatch
@@ -174,6 +177,7 @@ class FlashCausalLM(ShardModel):
         self.kv_cache: PagedKVCache | None = None
         self.pool: BlockPool | None = None
         self.block_records = BlockRecords(config.block_size)  # what each KV block holds (cache_len checks)
+        self.adapter_table = AdapterTable()  # LoRA adapters by name; none loaded yet: "" → 0 only
         # TGI's vocabulary: our torch backend is paged attention ("paged"); flashinfer is itself.
         self.attention_impl = "flashinfer" if config.attention == "flashinfer" else "paged"
         self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
@@ -319,14 +323,15 @@ class FlashCausalLM(ShardModel):
         positions = self.position_ids(batch, step)
         plan = None if self.graphs is None else self.graphs.plan(step.metadata)
         if plan is not None:  # decode-only step that fits a captured batch size
-            return self.graphs.replay(plan, embeds, positions, step.metadata)
+            return self.graphs.replay(plan, embeds, positions, step.metadata, step.context)
         self.attention.plan(step.metadata)
-        out = self.language_model(
-            inputs_embeds=embeds[None],
-            position_ids=positions,
-            attn_metadata=step.metadata,
-            use_cache=False,
-        )
+        with using(step.context):  # layers read who each row belongs to (layers/step_context.py)
+            out = self.language_model(
+                inputs_embeds=embeds[None],
+                position_ids=positions,
+                attn_metadata=step.metadata,
+                use_cache=False,
+            )
         return out.last_hidden_state[0]
 
     def embed_step(self, batch: FlashCausalLMBatch, step: StepInputs) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Two stages, so that a batch is validated completely before anything is allocated:
 1. tokenize (`FlashCausalLM.tokenize_request`; VLMs: `vlm_intake.py`) → `TokenizedPrompt`;
 2. `make_sequence`: parameters, lengths and slots checked, the grammar's state taken from its
-   compiled form; server blocks claimed only if the router gave none. Every refusal is an
+   compiled form, the request's `adapter_id` resolved to an index (`adapter_table.py`); server
+   blocks claimed only if the router gave none. Every refusal is an
    `InvalidRequest` naming the request.
 Grammars compile off the model thread: `start_grammars` starts every request's compile when its
 batch arrives, and `make_sequence` waits for its own at most until the compile deadline.
@@ -103,6 +104,8 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         slot_list=list(slots[:needed_slots]),
         owns_blocks=owns,
         mm=prompt.mm,
+        adapter_id=request.adapter_id,  # "" when unset (proto3 optional string)
+        adapter_index=model.adapter_table.resolve(request.adapter_id),
         num_computed=request.cache_len,  # verified: those positions' K/V are already in the cache
         block_keys=cached_keys,
         grammar=grammar,
@@ -160,7 +163,8 @@ def check_cached_prefix(model: FlashCausalLM, request: generate_pb2.Request, pro
         raise InvalidRequest(request.id, f"cache_len={cache_len} ends inside a bidirectional attention block "
                                          "(an image or the prefix); the prefix must end at its boundary")
     refs = [ImageRef(s.offset, s.length, s.content_hash) for s in prompt.images]
-    return model.block_records.verify_claim(request.id, prompt.ids, refs, slots, cache_len)
+    return model.block_records.verify_claim(request.id, prompt.ids, refs, slots, cache_len,
+                                            adapter_id=request.adapter_id)
 
 
 def claim_slots(model: FlashCausalLM, request: generate_pb2.Request, total: int) -> tuple[list[int], bool, list[int]]:

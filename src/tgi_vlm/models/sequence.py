@@ -88,6 +88,11 @@ class Sequence:
     slot_list: list[int]  # the same slots on the host (block records, no device reads)
     owns_blocks: bool  # blocks came from the server's pool and go back to it
     mm: MultimodalState | None = None  # None for text-only models
+    # The LoRA adapter the request names (`Request.adapter_id`, "" for none) and its index in the
+    # model's AdapterTable (0 = base model): what the step context tells every layer, and the
+    # namespace of the request's prefix-cache keys (prefix_hash.namespace_root).
+    adapter_id: str = ""
+    adapter_index: int = 0
     # The request's grammar, from its first generated token on (the prompt is never matched);
     # advanced by append_token. None without a grammar.
     grammar: GrammarState | None = None

@@ -2,7 +2,8 @@
 
 Decide on the host, act on the device: `schedule` is plain Python over sequence counters;
 `build_step` turns its decision into the packed token ids, positions, slots and attention
-metadata that every layer shares.
+metadata that every layer shares, and the step context (`layers/step_context.py`: which request
+and adapter each row belongs to) that the runner sets around the language model's forward.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tgi_vlm.layers.attention import (
     PagedKVCache,
     PrefillSpan,
 )
+from tgi_vlm.layers.step_context import StepContext
 from tgi_vlm.models.sequence import Sequence
 
 
@@ -78,6 +80,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long, absolute positions (adapters may replace, e.g. mrope)
     metadata: AttentionMetadata
+    context: StepContext  # per row: request, adapter (one entry per window, in window order)
 
 
 def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, backend: AttentionBackend,
@@ -104,7 +107,19 @@ def build_step(seqs: list[Sequence], sizes: list[int], kv_cache: PagedKVCache, b
         prefills=[_prefill_span(w) for w in windows if w.num_tokens > 1],
         backend=backend,
     )
-    return StepInputs(windows, input_ids, positions_t, metadata)
+    return StepInputs(windows, input_ids, positions_t, metadata, step_context(windows, device))
+
+
+def step_context(windows: list[SeqWindow], device: torch.device) -> StepContext:
+    """Sequence b of the context is `windows[b]`, owning rows [w.row, w.row + w.num_tokens); a step
+    has at least one window (a batch with nothing to run is released before its next step)."""
+    return StepContext(
+        request_ids=tuple(w.seq.request_id for w in windows),
+        row_starts=tuple(w.row for w in windows) + (windows[-1].row + windows[-1].num_tokens,),
+        adapter_ids=tuple(w.seq.adapter_id for w in windows),
+        adapters=tuple(w.seq.adapter_index for w in windows),
+        device=torch.device(device),
+    )
 
 
 def _decode_group(windows: list[SeqWindow], num_tokens: int) -> DecodeGroup | None:

@@ -36,6 +36,7 @@ class RequestParams:
     add_special_tokens: bool = True  # TGI's chat route sends False (the template holds the specials)
     grammar: str = ""  # as TGI's router sends it: a regex (GRAMMAR_TYPE_REGEX, 2) or a JSON Schema (1)
     grammar_type: int = 0
+    adapter_id: str = ""  # the LoRA adapter to run with ("" = the base model); also keys the prefix cache
 
     def to_pb(self, request_id: int, allocation=None, chunk_len: int | None = None) -> pb.Request:
         return build_request(
@@ -53,6 +54,7 @@ class RequestParams:
             slots=allocation.slots if allocation is not None else (),
             chunk_len=chunk_len,
             cache_len=allocation.cache_len if allocation is not None else 0,
+            adapter_id=self.adapter_id,
         )
 
 
@@ -60,9 +62,11 @@ def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters:
                   max_new_tokens: int = 16, stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                   truncate: int = 0, prefill_logprobs: bool = False, top_n_tokens: int = 0,
                   add_special_tokens: bool = True, blocks: Sequence[int] = (), slots: Sequence[int] = (),
-                  chunk_len: int | None = None, cache_len: int = 0, mimetype: str = "image/png") -> pb.Request:
+                  chunk_len: int | None = None, cache_len: int = 0, mimetype: str = "image/png",
+                  adapter_id: str = "") -> pb.Request:
     """The one place a `generate_pb2.Request` is built from text (str) and image (bytes) chunks in
-    prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything)."""
+    prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything).
+    `adapter_id` "" leaves the optional field unset, as TGI's router does for no adapter."""
     input_chunks = [
         pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype=mimetype))
         for c in chunks
@@ -85,6 +89,8 @@ def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters:
     )
     if chunk_len is not None:
         request.chunk_len = chunk_len
+    if adapter_id:
+        request.adapter_id = adapter_id
     return request
 
 

@@ -15,7 +15,7 @@ batches involved and fails their requests. A request's blocks are freed whenever
 
 Prefix caching (`RouterConfig.prefix_caching`, default on): the allocator is a `PrefixCache`; a
 request's prompt blocks are keyed at submit (token ids + image content hashes, from
-`TokenCounter.tokenize`) and entered into the cache once its first token arrives. VLM shards answer
+`TokenCounter.tokenize`, in the namespace of its adapter_id) and entered into the cache once its first token arrives. VLM shards answer
 Info.use_prefix_caching=false (TGI's router is blind to images); this driver does not need that
 permission, because its keys see images and the shard verifies every claim.
 """
@@ -141,7 +141,7 @@ def cacheable_prompt(prompt: PromptTokens | int, params: RequestParams, block_si
     have no logprobs)."""
     if not isinstance(prompt, PromptTokens) or params.prefill_logprobs:
         return None
-    return prompt_blocks(prompt.ids, prompt.images, prompt.group_ids, block_size)
+    return prompt_blocks(prompt.ids, prompt.images, prompt.group_ids, block_size, adapter_id=params.adapter_id)
 
 
 def is_cache_claim_refusal(entry: Entry, reason: str) -> bool:
