@@ -52,11 +52,14 @@ def _rotary_inputs(tokens: int = 2):
     return qkv, angles.cos(), angles.sin(), torch.zeros(SLOTS, HKV, D), torch.zeros(SLOTS, HKV, D)
 
 
+@pytest.mark.parametrize("tokens", [2, 300], ids=["decode-sized", "prefill-sized"])  # both ways of finding the bound
 @pytest.mark.parametrize("slot", [SLOTS, -1], ids=["one-past-the-cache", "negative"])
-def test_rotary_and_store_refuses_a_slot_outside_the_cache_and_writes_nothing(slot):
-    qkv, cos, sin, k_cache, v_cache = _rotary_inputs()
+def test_rotary_and_store_refuses_a_slot_outside_the_cache_and_writes_nothing(slot, tokens):
+    qkv, cos, sin, k_cache, v_cache = _rotary_inputs(tokens)
+    slots = torch.arange(tokens) % SLOTS
+    slots[tokens // 2] = slot
     with pytest.raises(ValueError, match="rotary_and_store: a slot past the cache of 48 slots, or negative"):
-        ops.rotary_and_store(qkv, cos, sin, HQ, k_cache, v_cache, torch.tensor([3, slot]))
+        ops.rotary_and_store(qkv, cos, sin, HQ, k_cache, v_cache, slots)
     assert not k_cache.any() and not v_cache.any()
 
 

@@ -21,6 +21,11 @@ FORBIDDEN = {
     "api": ("tgi_vlm.models", "tgi_vlm.server", "tgi_vlm.layers", "tgi_vlm.generation", "tgi_vlm.testing"),
     "images.py": ("tgi_vlm.models", "tgi_vlm.router", "tgi_vlm.testing", "tgi_vlm.server"),
     "blocks.py": ("tgi_vlm.",),
+    # The native kernels are the bottom floor: layers import them, never the reverse.
+    "kernels": ("tgi_vlm.models", "tgi_vlm.layers", "tgi_vlm.generation", "tgi_vlm.server", "tgi_vlm.router",
+                "tgi_vlm.testing", "tgi_vlm.api"),
+    # The torch attention backend is the reference the native paths are tested against: no native code in it.
+    "layers/attention/torch_backend.py": ("tgi_vlm.kernels",),
 }
 
 

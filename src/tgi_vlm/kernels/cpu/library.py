@@ -13,13 +13,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from loguru import logger
 
 from tgi_vlm.config import KernelSettings
 from tgi_vlm.kernels.cpu import build
 
 ABI_VERSION = 1  # decode_attention.c's ABI_VERSION
-DTYPE_CODES = {"float32": 1, "bfloat16": 2}  # the C files' DTYPE_* values
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}  # the C files' DTYPE_* values
 
 _P, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -42,8 +43,8 @@ class PortableLibrary:
 
 
 class Avx512Library:
-    """decode_attention.c and skinny_linear.c; `attention_dtypes`: the DTYPE_* names its decode attention computes
-    (none when built without AVX-512), `skinny_max_rows`: the most rows its linear takes (0: none)."""
+    """decode_attention.c and skinny_linear.c; `attention_dtypes`: the dtypes its decode attention computes (none
+    when built without AVX-512), `skinny_max_rows`: the most rows its linear takes (0: none)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
@@ -55,7 +56,7 @@ class Avx512Library:
         self.skinny_linear = _bind(library, "tgi_vlm_skinny_linear", [_P, _I64, _I64, _P, _I64, _P, _P, _INT])
         self.skinny_max_rows = library.tgi_vlm_skinny_max_rows()
         codes = library.tgi_vlm_decode_attention_dtypes()
-        self.attention_dtypes = frozenset(name for name, code in DTYPE_CODES.items() if codes & code)
+        self.attention_dtypes = frozenset(dtype for dtype, code in DTYPE_CODES.items() if codes & code)
 
 
 # Which library holds each op (ops.py registers them as tgi_vlm::<name>).

@@ -26,26 +26,32 @@ import torch
 from tgi_vlm.kernels.cpu import library
 
 MAX_HEAD_DIM = 256  # decode_attention.c's MAX_HEAD_DIM
-_DTYPE_CODES = {torch.float32: library.DTYPE_CODES["float32"], torch.bfloat16: library.DTYPE_CODES["bfloat16"]}
+_DTYPE_CODES = library.DTYPE_CODES
+
+
+_SMALL = 256  # up to this many indices, min/max of a host list is cheaper than aminmax and two read-backs
 
 
 def slot_bound(slots: torch.Tensor, *, empty: int) -> int:
-    """The largest of `slots`, for a bounds check against a cache's slot count: a negative slot makes it
-    `sys.maxsize`, so that check refuses it too; `empty` when there are none."""
-    if not slots.numel():
+    """The largest of `slots` (a CPU tensor), for a bounds check against a cache's slot count: a negative slot
+    makes it `sys.maxsize`, so that check refuses it too; `empty` when there are none."""
+    count = slots.numel()
+    if not count:
         return empty
-    low, high = torch.aminmax(slots)
-    return int(high) if int(low) >= 0 else sys.maxsize
+    if count <= _SMALL:
+        values = slots.view(-1).tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(v) for v in torch.aminmax(slots))
+    return high if low >= 0 else sys.maxsize
 
 
 def _loaded(op: str):
     kernels = library.loaded()
-    if kernels is None:
-        raise RuntimeError(f"tgi_vlm::{op} is not available: the native kernels were not loaded "
-                           "(tgi_vlm.kernels.cpu.load)")
-    lib = kernels.libraries[library.OP_LIBRARY[op]].library
+    lib = kernels.libraries[library.OP_LIBRARY[op]].library if kernels is not None else None
     if lib is None:
-        raise RuntimeError(f"tgi_vlm::{op} is not available: {kernels.reason(op)}")
+        reason = kernels.reason(op) if kernels is not None else "the native kernels were not loaded (kernels.cpu.load)"
+        raise RuntimeError(f"tgi_vlm::{op} is not available: {reason}")
     return lib
 
 
@@ -55,18 +61,19 @@ def _refuse(op: str, problem: str | None) -> None:
 
 
 def _all_cpu(*tensors: torch.Tensor | None) -> bool:
-    return all(t is None or t.device.type == "cpu" for t in tensors)
+    return all(t is None or t.is_cpu for t in tensors)
 
 
 # ----- decode attention -----
 
 def _cache_problem(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    if not (k_cache.dim() == 3 and k_cache.dtype in _DTYPE_CODES and k_cache.is_contiguous()
-            and k_cache.shape[1] > 0 and 0 < k_cache.shape[2] <= MAX_HEAD_DIM and k_cache.shape[2] % 16 == 0):
+    shape = k_cache.shape
+    if not (len(shape) == 3 and k_cache.dtype in _DTYPE_CODES and k_cache.is_contiguous() and shape[1] > 0
+            and 0 < shape[2] <= MAX_HEAD_DIM and shape[2] % 16 == 0):
         return (f"the cache must be [slots, Hkv, D] contiguous float32 or bfloat16 with D a multiple of 16 up to "
-                f"{MAX_HEAD_DIM}, got {tuple(k_cache.shape)} {k_cache.dtype}")
-    if not (v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()):
-        return f"values {tuple(v_cache.shape)} {v_cache.dtype} do not match keys {tuple(k_cache.shape)} {k_cache.dtype}"
+                f"{MAX_HEAD_DIM}, got {tuple(shape)} {k_cache.dtype}")
+    if not (v_cache.shape == shape and v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()):
+        return f"values {tuple(v_cache.shape)} {v_cache.dtype} do not match keys {tuple(shape)} {k_cache.dtype}"
     return None
 
 
@@ -78,11 +85,12 @@ def _decode_problem(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v
         return problem
     if not _all_cpu(q, out, k_cache, v_cache, slot_index, row_spans):
         return "every tensor must be on the CPU"
-    if not (q.dim() == 3 and q.dtype == k_cache.dtype and q.stride(-1) == 1 and q.shape[-1] == k_cache.shape[-1]
-            and q.shape[1] % k_cache.shape[1] == 0):
+    q_shape, k_shape = q.shape, k_cache.shape
+    if not (len(q_shape) == 3 and q.dtype == k_cache.dtype and q.stride(-1) == 1 and q_shape[2] == k_shape[2]
+            and q_shape[1] % k_shape[1] == 0):
         return (f"query {tuple(q.shape)} {q.dtype} (last dim contiguous) does not fit the cache "
                 f"{tuple(k_cache.shape)} {k_cache.dtype}")
-    if not (out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1):
+    if not (out.shape == q_shape and out.dtype == q.dtype and out.stride(-1) == 1):
         return f"out {tuple(out.shape)} {out.dtype} is not shaped as the query {tuple(q.shape)} {q.dtype}"
     if not (slot_index.dtype == torch.long and slot_index.dim() == 2 and slot_index.is_contiguous()):
         return f"the slot index must be [B, width] contiguous int64, got {tuple(slot_index.shape)} {slot_index.dtype}"
@@ -118,7 +126,7 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, 
         return
     _refuse("decode_attention", _decode_index_problem(q, k_cache, slot_index, row_spans))
     lib = _loaded("decode_attention")
-    if str(q.dtype).removeprefix("torch.") not in lib.attention_dtypes:
+    if q.dtype not in lib.attention_dtypes:
         raise ValueError(f"tgi_vlm::decode_attention: this build computes {sorted(lib.attention_dtypes)}, not {q.dtype}")
     rows, starts, ends = row_spans
     hq, head_dim = q.shape[1], q.shape[2]
@@ -141,20 +149,21 @@ def decode_attention_dtypes() -> frozenset[torch.dtype]:
     """The dtypes this process's decode attention computes (empty where it did not load)."""
     kernels = library.loaded()
     lib = kernels.avx512 if kernels is not None else None
-    return frozenset(d for d in _DTYPE_CODES if lib is not None and str(d).removeprefix("torch.") in lib.attention_dtypes)
+    return lib.attention_dtypes if lib is not None else frozenset()
 
 
 def can_decode_from(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether `decode_attention` runs here over this layer's flat caches `[slots, Hkv, D]` (the query must match)."""
-    return (k_cache.device.type == "cpu" and k_cache.dtype in decode_attention_dtypes()
+    return (k_cache.is_cpu and v_cache.is_cpu and k_cache.dtype in decode_attention_dtypes()
             and _cache_problem(k_cache, v_cache) is None)
 
 
 def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None) -> bool:
     """Whether `decode_attention` computes this layer's decode: not soft-capped (Gemma2), and the query `[T, Hq, D]`
     fits the cache."""
-    return (not softcap and q.device.type == "cpu" and q.dim() == 3 and q.dtype == k_cache.dtype
-            and q.stride(-1) == 1 and q.shape[-1] == k_cache.shape[-1] and q.shape[1] % k_cache.shape[1] == 0
+    q_shape, k_shape = q.shape, k_cache.shape
+    return (not softcap and q.is_cpu and len(q_shape) == 3 and len(k_shape) == 3 and q.dtype == k_cache.dtype
+            and q.stride(-1) == 1 and q_shape[2] == k_shape[2] and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0
             and can_decode_from(k_cache, v_cache))
 
 
@@ -162,23 +171,22 @@ def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, so
 
 def _rotary_problem(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
                     v_cache: torch.Tensor) -> str | None:
-    if not _all_cpu(qkv, cos, sin, k_cache, v_cache):
-        return "every tensor must be on the CPU"
-    if not (qkv.dtype in _DTYPE_CODES and qkv.dim() == 3 and qkv.shape[0] == 1 and qkv.stride(-1) == 1):
-        return f"the fused product must be [1, T, W] float32 or bfloat16, last dim contiguous, got {tuple(qkv.shape)}"
-    if not (k_cache.dim() == 3 and k_cache.dtype == qkv.dtype and k_cache.is_contiguous() and k_cache.shape[-1] > 0
-            and k_cache.shape[-1] % 2 == 0 and v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
-            and v_cache.is_contiguous()):
-        return (f"caches {tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype} must be "
-                f"[slots, Hkv, D] contiguous, D even, of the product's dtype {qkv.dtype}")
-    if not (cos.dtype == sin.dtype == qkv.dtype and cos.dim() == 3 and cos.shape == sin.shape
-            and cos.shape[:2] == qkv.shape[:2] and cos.shape[-1] == k_cache.shape[-1] and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1):
-        return f"rotary tables {tuple(cos.shape)} / {tuple(sin.shape)} are not [1, T, D] for {tuple(qkv.shape)}"
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    if q_heads < 1 or qkv.shape[2] != (q_heads + 2 * kv_heads) * head_dim:
-        return (f"a fused product of width {qkv.shape[2]} does not hold {q_heads} + 2 x {kv_heads} heads of "
-                f"{head_dim}")
+    dtype, shape, k_shape, c_shape = qkv.dtype, qkv.shape, k_cache.shape, cos.shape
+    if not (dtype in _DTYPE_CODES and qkv.is_cpu and len(shape) == 3 and shape[0] == 1 and qkv.stride(-1) == 1):
+        return f"the fused product must be [1, T, W] CPU float32 or bfloat16, last dim contiguous, got {tuple(shape)}"
+    if not (k_cache.is_cpu and v_cache.is_cpu and len(k_shape) == 3 and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and v_cache.shape == k_shape and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k_shape[2] > 0 and k_shape[2] % 2 == 0):
+        return (f"caches {tuple(k_shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype} must be "
+                f"[slots, Hkv, D] contiguous, D even, of the product's dtype {dtype}")
+    c_stride = cos.stride()
+    if not (cos.is_cpu and sin.is_cpu and cos.dtype == dtype and sin.dtype == dtype and len(c_shape) == 3
+            and sin.shape == c_shape and c_shape[0] == 1 and c_shape[1] == shape[1] and c_shape[2] == k_shape[2]
+            and sin.stride() == c_stride and c_stride[2] == 1):
+        return f"rotary tables {tuple(c_shape)} / {tuple(sin.shape)} are not [1, T, D] for {tuple(shape)}"
+    if q_heads < 1 or shape[2] != (q_heads + 2 * k_shape[1]) * k_shape[2]:
+        return (f"a fused product of width {shape[2]} does not hold {q_heads} + 2 x {k_shape[1]} heads of "
+                f"{k_shape[2]}")
     return None
 
 
@@ -191,7 +199,7 @@ def rotary_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     Returns the rotated query `[T, Hq, D]` and key `[T, Hkv, D]` (new tensors)."""
     _refuse("rotary_and_store", _rotary_problem(qkv, cos, sin, q_heads, k_cache, v_cache))
     tokens = qkv.shape[1]
-    if slots.dtype != torch.long or slots.shape != (tokens,) or slots.device.type != "cpu":
+    if slots.dtype != torch.long or slots.shape != (tokens,) or not slots.is_cpu:
         raise ValueError(f"tgi_vlm::rotary_and_store: {tuple(slots.shape)} {slots.dtype} slots for {tokens} rows")
     largest = slot_bound(slots, empty=-1)
     if largest >= k_cache.shape[0]:
@@ -226,9 +234,10 @@ def can_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads:
 # ----- RMSNorm -----
 
 def _norm_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    if not (_all_cpu(x, weight) and x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and x.dim() >= 2
-            and x.stride(-1) == 1 and weight.shape == x.shape[-1:] and weight.is_contiguous()
-            and all(x.stride(i) == x.stride(i + 1) * x.shape[i + 1] for i in range(x.dim() - 2))):
+    shape, stride = x.shape, x.stride()
+    if not (x.is_cpu and weight.is_cpu and x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and len(shape) >= 2
+            and stride[-1] == 1 and weight.shape == shape[-1:] and weight.is_contiguous()
+            and all(stride[i] == stride[i + 1] * shape[i + 1] for i in range(len(shape) - 2))):
         return (f"x {tuple(x.shape)} {x.dtype} must be CPU float32 or bfloat16 rows of H contiguous, as one strided "
                 f"run of rows, with a weight [H] of its dtype (got {tuple(weight.shape)} {weight.dtype})")
     return None
