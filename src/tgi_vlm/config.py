@@ -150,9 +150,10 @@ class EngineConfig:
     wiggle_room: float = 0.90
     # CPU has no "free memory" to size the KV cache from: a byte budget instead.
     cpu_kv_cache_bytes: int = 1 << 30
-    # The torch backend's dense copy of the decoding sequences' K/V (layers/attention/decode_mirror.py),
+    # The CPU attention backend's dense copy of the decoding sequences' K/V (layers/attention/decode_mirror.py),
     # at most this share of the KV cache's bytes; 0 = the reference gather path. None: 0.5 on CPU, 0 on
-    # CUDA (whose KV cache takes the free memory, and whose default backend is flashinfer).
+    # CUDA (whose KV cache takes the free memory, whose default backend is flashinfer, and whose torch backend is
+    # the reference, with no mirror).
     decode_mirror: float | None = None
     # The native CPU kernels: which run, where they are built (decode attention: CPU only, native_attention_on).
     kernels: KernelSettings = field(default_factory=KernelSettings)

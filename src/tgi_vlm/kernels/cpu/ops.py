@@ -127,7 +127,8 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, 
     _refuse("decode_attention", _decode_index_problem(q, k_cache, slot_index, row_spans))
     lib = _loaded("decode_attention")
     if q.dtype not in lib.attention_dtypes:
-        raise ValueError(f"tgi_vlm::decode_attention: this build computes {sorted(lib.attention_dtypes)}, not {q.dtype}")
+        computed = ", ".join(sorted(str(d) for d in lib.attention_dtypes))
+        raise ValueError(f"tgi_vlm::decode_attention: this build computes {computed}, not {q.dtype}")
     rows, starts, ends = row_spans
     hq, head_dim = q.shape[1], q.shape[2]
     status = lib.decode_attention(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
