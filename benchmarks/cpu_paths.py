@@ -5,14 +5,17 @@ Paths (each alone, everything else at its default):
 - `lean-layers`: layers/cpu_decoder.py's lean decoder-layer forward vs transformers' layer forward.
 - `causal-padding`: torch_backend.causal_attention (reduced-precision causal spans padded to 32 rows)
   vs the unpadded SDPA call.
-- `native-attention`: decode attention through the C kernel (layers/attention/native_decode.py) vs the
-  decode mirror and SDPA.
-- `native-rotary`: the lean layer's rotary and K/V store in one C pass (`rotary_and_store`, bit-exact) vs
+- `native-attention`: decode attention through the C kernel (`tgi_vlm::decode_attention`, the CPU attention
+  backend) vs the decode mirror and SDPA.
+- `native-rotary`: the lean layer's rotary and K/V store in one C pass (`tgi_vlm::rotary_and_store`, bit-exact) vs
   torch's operations.
-- `native-norm`: the lean layer's RMSNorm in one C call (`NativeDecodeAttention.rms_norm`, within a few ulps) vs torch's
+- `native-norm`: the lean layer's RMSNorm in one C call (`tgi_vlm::rms_norm`, within a few ulps) vs torch's
   ~6 operations.
-- `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (layers/skinny_linear.py,
-  a second copy of each weight) vs MKL's packed kernel.
+- `skinny-linear` (float32 only): decode-sized float32 linears through the native loop (`tgi_vlm::skinny_linear`,
+  layers/skinny_linear.py, a second copy of each weight) vs MKL's packed kernel.
+
+The four native paths are chosen per side through `EngineConfig.kernels` (KernelSettings, the rest as the
+environment sets it); each side's first decode step is profiled to check that its kernel ran, or did not.
 - `mkl-float32` (float32 only): float32 linears through MKL's packed GEMM (`MklPackedLinear`, rows as they are)
   vs oneDNN's packed kernel with padded rows (what a torch build without MKL runs).
 
@@ -33,6 +36,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -40,11 +44,12 @@ import torch
 import torch.nn.functional as F
 
 import tgi_vlm.layers.attention.torch_backend as torch_backend
-import tgi_vlm.layers.cpu_decoder as cpu_decoder
+import tgi_vlm.layers.cpu as cpu
 import tgi_vlm.layers.linear.plan as linear_plan
-import tgi_vlm.layers.skinny_linear as skinny_linear
-from tgi_vlm.config import EngineConfig
-from tgi_vlm.layers.cpu_decoder import remove_lean_layers
+from tgi_vlm.config import EngineConfig, KernelSettings
+from tgi_vlm.kernels import cpu as cpu_kernels
+from tgi_vlm.layers.cpu_decoder import install_lean_layers, remove_lean_layers
+from tgi_vlm.layers.skinny_linear import skinny_available
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import make_batch, make_request
@@ -60,6 +65,23 @@ def _unpadded_causal(q, k, v, scaling):
 
 PADDED_CAUSAL = torch_backend.causal_attention
 MKL_PACKS_FLOAT32 = linear_plan.mkl_packs_float32
+SKINNY_AVAILABLE = cpu.skinny_available
+# path -> (its KernelSettings field, the op that runs with it)
+KERNEL_PATHS = {"native-attention": ("native_attention", "decode_attention"),
+                "native-rotary": ("native_rotary", "rotary_and_store"), "native-norm": ("native_norm", "rms_norm"),
+                "skinny-linear": ("skinny_linear", "skinny_linear")}
+
+
+def _load(model: str, config: EngineConfig):
+    """The engine, with `config.kernels` reaching the lean layers and the linear plan: layers/cpu.py's
+    speed_up_for_cpu does not take EngineConfig.kernels yet (it builds both with the defaults)."""
+    cpu.skinny_available = lambda: skinny_available(config.kernels)  # read by the linear plan at load
+    try:
+        engine = get_model(model, config)
+    finally:
+        cpu.skinny_available = SKINNY_AVAILABLE
+    install_lean_layers(engine.language_model, config.kernels)
+    return engine
 
 
 class Side:
@@ -67,14 +89,13 @@ class Side:
 
     def __init__(self, name: str, path: str, with_path: bool, model: str, dtype: str):
         self.name, self.path, self.with_path = name, path, with_path
-        native = with_path if path == "native-attention" else None  # None: the default (on)
-        if path == "skinny-linear":  # the linear plan reads it at load
-            skinny_linear.ENABLED = with_path
+        kernels = KernelSettings.from_env()
+        if path in KERNEL_PATHS:
+            kernels = replace(kernels, **{KERNEL_PATHS[path][0]: with_path})
         if path == "mkl-float32":  # the linear plan reads it at load
             linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32 if with_path else (lambda: False)
-        self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype,
-                                                    native_attention=native))
-        linear_plan.mkl_packs_float32, skinny_linear.ENABLED = MKL_PACKS_FLOAT32, True
+        self.engine = _load(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype, kernels=kernels))
+        linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:
             removed = remove_lean_layers(self.engine.language_model)
@@ -85,14 +106,26 @@ class Side:
         self.decode_ms: list[float] = []
         self.prefill_ms: list[float] = []
         self.tokens: list[list[int]] = []
+        self._check_kernel()
+
+    def _check_kernel(self) -> None:
+        """One decode step (not timed) under the profiler: a native path's side with it must have run its op, the
+        side without it must not have."""
+        if self.path not in KERNEL_PATHS:
+            return
+        op = KERNEL_PATHS[self.path][1]
+        with torch.autograd.profiler.profile(use_kineto=False) as profile:
+            generations, self.batch, _ = self.engine.generate_token(self.batch)
+        self.tokens.append([g.tokens.ids[0] for g in generations])
+        ran = sum(1 for e in profile.function_events if e.name == f"tgi_vlm::{op}")
+        if bool(ran) != self.with_path:
+            reason = cpu_kernels.loaded().reason(op) if cpu_kernels.loaded() else None
+            raise SystemExit(f"{self.path}: the side {self.name} ran tgi_vlm::{op} {ran} times"
+                             + (f" (not available here: {reason})" if reason else ""))
 
     def enter(self) -> None:
         if self.path == "causal-padding":
             torch_backend.causal_attention = PADDED_CAUSAL if self.with_path else _unpadded_causal
-        if self.path == "native-rotary":
-            cpu_decoder.NATIVE_ROTARY = self.with_path
-        if self.path == "native-norm":
-            cpu_decoder.NATIVE_NORM = self.with_path
 
     def step(self, into: list[float]) -> None:
         self.enter()
@@ -120,8 +153,6 @@ def measure(path: str, dtype: str, decode_steps: int, prefill_steps: int) -> dic
         for side in sides if i % 2 == 0 else sides[::-1]:
             side.prefill(100 + i, texts)
     torch_backend.causal_attention = PADDED_CAUSAL
-    cpu_decoder.NATIVE_ROTARY = cpu_decoder.NATIVE_NORM = True
-    skinny_linear.ENABLED = True
     skip_decode, skip_prefill = decode_steps // 5, prefill_steps // 5
     out = {"path": path, "dtype": dtype, "threads": torch.get_num_threads(), "decode_rows": DECODE_ROWS,
            "tokens_equal": sides[0].tokens == sides[1].tokens,

@@ -1,5 +1,6 @@
-"""Decode attention of one layer, three ways, on the same paged cache: the native kernel (layers/attention/native_decode.py),
-SDPA over a dense padded copy (what the decode mirror feeds it), and the reference gather + SDPA.
+"""Decode attention of one layer, three ways, on the same paged cache: the native kernel (`tgi_vlm::decode_attention`,
+kernels/cpu/, as the CPU attention backend calls it), SDPA over a dense padded copy (what the decode mirror feeds
+it), and the reference gather + SDPA.
 
 Shapes: 13 decoding sequences of 80-430 positions (the bench workload's), scattered 16-slot blocks in a cache of
 4000 blocks; the bench model's heads (12 query, 4 kv, 64) and a Qwen2-VL-2B-like layer (12 query, 2 kv, 128).
@@ -23,9 +24,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tgi_vlm.layers.attention import native_decode
+from tgi_vlm.config import KernelSettings
+from tgi_vlm.kernels import cpu as cpu_kernels
+from tgi_vlm.kernels.cpu import ops
+from tgi_vlm.layers.attention.cpu_backend import NativeDecodeStep
 from tgi_vlm.layers.attention.metadata import DecodeGroup, decode_mask
-from tgi_vlm.layers.attention.native_decode import NativeDecodeStep
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK, NUM_BLOCKS, ROWS, ROUNDS, CALLS, COLD_CALLS = 16, 4000, 13, 7, 50, 8
@@ -33,7 +36,7 @@ EVICT = torch.zeros(256 << 18)  # 256 MB of float32
 SHAPES = [(12, 4, 64), (12, 2, 128)]
 
 
-def case(native, hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
+def case(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(80, 431, (ROWS,), generator=gen).tolist()
     k_cache = torch.randn(NUM_BLOCKS * BLOCK, hkv, head_dim, generator=gen).to(dtype)
@@ -56,8 +59,10 @@ def case(native, hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> dict:
         dense_k[row, :, :n] = k_cache[slot_index[row, :n]].transpose(0, 1)
         dense_v[row, :, :n] = v_cache[slot_index[row, :n]].transpose(0, 1)
 
+    row_spans = step.row_spans(None, None)
+
     def kernel():
-        native.attend(q, out, k_cache, v_cache, step, None, None, None)
+        ops.decode_attention(q, out, k_cache, v_cache, step.slot_index, row_spans, head_dim ** -0.5)
 
     def mirror_sdpa():
         F.scaled_dot_product_attention(q[:, :, None], dense_k[:, :, :width], dense_v[:, :, :width], attn_mask=mask,
@@ -108,10 +113,10 @@ def markdown(results: list[dict], when: str) -> str:
 
 
 def main() -> None:
-    native = native_decode.load()
-    if native is None:
-        raise SystemExit("the native decode kernel did not load here (see the warning above)")
-    results = [case(native, hq, hkv, d, dtype) for hq, hkv, d in SHAPES for dtype in (torch.bfloat16, torch.float32)]
+    kernels = cpu_kernels.load(KernelSettings.from_env())
+    if not kernels.available("decode_attention"):
+        raise SystemExit(f"tgi_vlm::decode_attention is not available here: {kernels.reason('decode_attention')}")
+    results = [case(hq, hkv, d, dtype) for hq, hkv, d in SHAPES for dtype in (torch.bfloat16, torch.float32)]
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "native_decode_attention.json").write_text(json.dumps({"when": when, "results": results}, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Float32 decode-sized linears: the native loop (layers/skinny_linear.py) against MKL's and oneDNN's packed kernels.
+"""Float32 decode-sized linears: the native loop (`tgi_vlm::skinny_linear`, layers/skinny_linear.py) against MKL's and oneDNN's packed kernels.
 
 The bench model's 48 language-model products of a decode step (12 layers x fused q/k/v, o, fused gate/up, down),
 each with its own weights, called in layer order, so the 380 MB of weights stream from memory as in a serving step
@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from tgi_vlm.config import KernelSettings
+from tgi_vlm.kernels import cpu as cpu_kernels
 from tgi_vlm.layers.linear.kernels import MklPackedLinear, OneDnnPackedLinear, PlainWeights
-from tgi_vlm.layers.skinny_linear import skinny_weight
+from tgi_vlm.layers.skinny_linear import skinny_available, skinny_weight
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [(768, 1280), (768, 768), (768, 5120), (2560, 768)]  # (in, out) per layer
@@ -52,15 +54,18 @@ def _packed(kind, weight: torch.Tensor):
 
 
 def measure(passes: int) -> list[dict]:
+    settings = KernelSettings.from_env()
+    if not skinny_available(settings):
+        reason = cpu_kernels.load(settings).reason("skinny_linear") or "switched off (TGI_VLM_SKINNY_LINEAR)"
+        raise SystemExit(f"tgi_vlm::skinny_linear is not available here: {reason}")
     torch.manual_seed(0)
     weights = [[torch.randn(out, inp) for inp, out in SHAPES] for _ in range(LAYERS)]
     total_bytes = sum(w.numel() * 4 for layer in weights for w in layer)
     kinds = {
-        "native": [[skinny_weight(w) for w in layer] for layer in weights],
+        "native": [[skinny_weight(w, settings) for w in layer] for layer in weights],
         "mkl": [[_packed(MklPackedLinear, w) for w in layer] for layer in weights],
         "onednn": [[_packed(OneDnnPackedLinear, w) for w in layer] for layer in weights],  # a torch without MKL
     }
-    assert all(p is not None for layer in kinds["native"] for p in layer), "the native library did not load"
     results = []
     for rows in ROWS:
         inputs = [torch.randn(rows, inp) for inp, _ in SHAPES]

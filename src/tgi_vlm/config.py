@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 KNOWN_ATTENTION = ("torch", "paged", "flashinfer", "flashdecoding")
@@ -99,6 +100,41 @@ class GrammarLimits:
         return limits
 
 
+def default_kernel_cache() -> Path:
+    return Path.home() / ".cache" / "tgi-vlm" / "kernels"
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Which native CPU kernels run (kernels/cpu/: C built on first use where a C compiler is found) and where they
+    are built. Each switch turns one kernel off on its own; where a kernel is on but cannot load (no compiler, no
+    AVX-512 for decode attention and the skinny linears), its caller runs torch's operations. Turned off, a
+    kernel is not built either."""
+
+    # Decode attention from the paged cache (the CPU attention backend); CPU only: EngineConfig.native_attention_on.
+    native_attention: bool = True
+    native_norm: bool = True  # the lean decoder layer's RMSNorm in one call (layers/cpu_decoder.py)
+    native_rotary: bool = True  # the lean layer's rotary + K/V store in one pass (bit-equal to torch's)
+    skinny_linear: bool = True  # float32 decode-sized linears over a blocked weight copy (layers/skinny_linear.py)
+    cpu_speedups: bool = True  # every CPU rewrite applied at load (layers/cpu.py), the lean layer among them
+    kernel_cache_dir: Path = field(default_factory=default_kernel_cache)  # built libraries, keyed by what made them
+    cc: str | None = None  # the C compiler command, split as a shell would ("ccache gcc"); None: cc, else gcc
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> KernelSettings:
+        env = os.environ if env is None else env
+        cache = env.get("TGI_VLM_KERNEL_CACHE")
+        return cls(
+            native_attention=_flag(env, "TGI_VLM_NATIVE_ATTENTION", True),
+            native_norm=_flag(env, "TGI_VLM_NATIVE_NORM", True),
+            native_rotary=_flag(env, "TGI_VLM_NATIVE_ROTARY", True),
+            skinny_linear=_flag(env, "TGI_VLM_SKINNY_LINEAR", True),
+            cpu_speedups=_flag(env, "TGI_VLM_CPU_SPEEDUPS", True),
+            kernel_cache_dir=Path(cache) if cache else default_kernel_cache(),
+            cc=env.get("CC") or None,
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the model runner needs: device, dtype, attention, KV cache and generation knobs."""
@@ -114,13 +150,13 @@ class EngineConfig:
     wiggle_room: float = 0.90
     # CPU has no "free memory" to size the KV cache from: a byte budget instead.
     cpu_kv_cache_bytes: int = 1 << 30
-    # The torch backend's dense copy of the decoding sequences' K/V (layers/attention/decode_mirror.py),
+    # The CPU attention backend's dense copy of the decoding sequences' K/V (layers/attention/decode_mirror.py),
     # at most this share of the KV cache's bytes; 0 = the reference gather path. None: 0.5 on CPU, 0 on
-    # CUDA (whose KV cache takes the free memory, and whose default backend is flashinfer).
+    # CUDA (whose KV cache takes the free memory, whose default backend is flashinfer, and whose torch backend is
+    # the reference, with no mirror).
     decode_mirror: float | None = None
-    # Decode attention in C straight from the paged cache (layers/attention/native_decode.py), built on first
-    # use where a C compiler and AVX-512 are present; None or True: on for CPU; never on CUDA (flashinfer's job).
-    native_attention: bool | None = None
+    # The native CPU kernels: which run, where they are built (decode attention: CPU only, native_attention_on).
+    kernels: KernelSettings = field(default_factory=KernelSettings)
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
     # Tensor parallelism (serve --sharded): this process's rank of world_size; 1 = one unsharded shard.
@@ -143,8 +179,9 @@ class EngineConfig:
 
     @property
     def native_attention_on(self) -> bool:
-        """CPU only (the kernels are CPU code); on unless turned off."""
-        return self.native_attention is not False and self.device.startswith("cpu")
+        """CPU only (the kernels are CPU code: `make_backend` gives the CPU attention backend on CPU alone); on unless
+        turned off; never on CUDA (flashinfer's job)."""
+        return self.kernels.native_attention and self.device.startswith("cpu")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> EngineConfig:
@@ -164,7 +201,7 @@ class EngineConfig:
             wiggle_room=_float(env, "TGI_WIGGLE_ROOM", 0.90),
             cpu_kv_cache_bytes=int(_float(env, "TGI_VLM_CPU_KV_CACHE_GB", 1.0) * (1 << 30)),
             decode_mirror=_float(env, "TGI_VLM_DECODE_MIRROR", None),
-            native_attention=_flag(env, "TGI_VLM_NATIVE_ATTENTION", None),
+            kernels=KernelSettings.from_env(env),
             request_logprobs=_flag(env, "REQUEST_LOGPROBS", False),
             watermark_gamma=_float(env, "WATERMARK_GAMMA", 0.5),
             watermark_delta=_float(env, "WATERMARK_DELTA", 2.0),

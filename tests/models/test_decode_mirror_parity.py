@@ -2,8 +2,8 @@
 (`decode_mirror=0`) give the same logits, bit for bit, and the same tokens, through what moves rows around in the mirror: requests
 joining mid-decode, finishing at different steps, chunked prefill next to decoding, speculative
 steps in between, and the attention variants (sliding windows, soft-capping, bidirectional image
-blocks, Llama4 chunked attention). The native decode kernel (layers/attention/native_decode.py, on by
-default on CPU) goes through the same scenarios against the gather path: the same tokens, logits within
+blocks, Llama4 chunked attention). The native decode kernel (`tgi_vlm::decode_attention`, the CPU backend's
+default where it loads) goes through the same scenarios against the gather path: the same tokens, logits within
 float32 rounding (it sums in another order). The parity suites (text, VLM, speculation) compare the default
 path with transformers; this keeps the other two tested and equal to it."""
 
@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import load_engine
+from tests.unit.kernels_here import needs, op_calls, require
+from tgi_vlm.config import KernelSettings
 from tgi_vlm.testing import make_test_image, png_bytes
 from tgi_vlm.testing.harness import Runner, make_request
 
+NO_KERNEL = KernelSettings(native_attention=False)
 IMG = png_bytes(make_test_image(40, 28, seed=3))
 # gemma2: soft-capped logits and sliding windows; gemma3: bidirectional image blocks and sliding
 # windows; llama4: chunked-attention layers; qwen2_vl: mrope; mistral: sliding window.
@@ -65,8 +68,8 @@ def _sdpa_sums_in_one_order() -> bool:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_mirror_and_the_gather_path_give_identical_logits_and_tokens(arch):
-    reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
-    mirrored_engine = load_engine(arch, decode_mirror=0.5, native_attention=False)
+    reference = run(load_engine(arch, decode_mirror=0.0, kernels=NO_KERNEL), arch)
+    mirrored_engine = load_engine(arch, decode_mirror=0.5, kernels=NO_KERNEL)
     mirrored = run(mirrored_engine, arch)
     assert mirrored_engine.attention.mirror is not None and mirrored_engine.attention.mirror.nbytes > 0
     mirrored_engine.release_idle()  # what the service calls once it holds no batch
@@ -85,40 +88,25 @@ def assert_close_runs(ours: Runner, reference: Runner) -> None:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5)
 
 
-def _native_kernel_here() -> bool:
-    from tests.unit.test_native_decode import (
-        pytestmark as unsupported,  # the same hardware/compiler condition
-    )
-
-    return not unsupported.args[0]
-
-
-needs_native = pytest.mark.skipif(not _native_kernel_here(), reason="the native decode kernel needs x86-64 with "
-                                  "AVX-512 and a C compiler")
-
-
-def _count_native_calls(engine, monkeypatch) -> list:
-    calls = []
-    native = engine.attention.native
-    attend = native.attend
-    monkeypatch.setattr(native, "attend", lambda *args, **kwargs: (calls.append(1), attend(*args, **kwargs))[1])
-    return calls
+needs_native = needs("decode_attention")
 
 
 @needs_native
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_native_kernel_and_the_gather_path_agree(arch, monkeypatch):
-    reference = run(load_engine(arch, decode_mirror=0.0, native_attention=False), arch)
-    engine = load_engine(arch, native_attention=True)
-    assert engine.attention.native is not None
-    calls = _count_native_calls(engine, monkeypatch)
-    native = run(engine, arch)
+def test_the_native_kernel_and_the_gather_path_agree(arch):
+    require("decode_attention")
+    reference = run(load_engine(arch, decode_mirror=0.0, kernels=NO_KERNEL), arch)
+    engine = load_engine(arch, kernels=KernelSettings(native_attention=True))
+    assert engine.attention.decode_kernel
+    with op_calls() as calls:
+        native = run(engine, arch)
     assert_close_runs(native, reference)
     assert sorted(native.tokens) == [0, 1, 2, 10, 11]
     if arch == "gemma2":  # soft-capped logits: the kernel steps aside after the first layer asks, the mirror decodes
         assert engine.attention.native_unsuitable and engine.attention.mirror is not None
     else:
-        assert calls and not engine.attention.native_unsuitable and engine.attention.mirror is None
+        assert calls["tgi_vlm::decode_attention"] and not engine.attention.native_unsuitable
+        assert engine.attention.mirror is None
 
 
 def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
@@ -129,7 +117,7 @@ def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
     reqs = lambda: [make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)]  # noqa: E731
     out = {}
     for share in (0.0, 0.5):
-        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=share, native_attention=False)
+        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=share, kernels=NO_KERNEL)
         runner = Runner(engine)
         runner.prefill(reqs())
         runner.run()
@@ -138,17 +126,18 @@ def test_speculative_steps_between_decode_steps_leave_the_mirror_exact():
 
 
 @needs_native
-def test_speculative_steps_with_the_native_kernel_match_the_gather_path(monkeypatch):
+def test_speculative_steps_with_the_native_kernel_match_the_gather_path():
     from tests.models.test_speculative import WITH_IMAGE
 
-    out, calls = {}, []
+    require("decode_attention")
+    out = {}
     for native in (False, True):
-        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=0.0, native_attention=native)
-        if native:
-            calls = _count_native_calls(engine, monkeypatch)
+        engine = load_engine("qwen2_vl", speculate=2, decode_mirror=0.0,
+                             kernels=KernelSettings(native_attention=native))
         runner = Runner(engine)
-        runner.prefill([make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)])
-        runner.run()
+        with op_calls() as calls:
+            runner.prefill([make_request(i, *WITH_IMAGE, max_new_tokens=14) for i in range(3)])
+            runner.run()
         out[native] = runner
     assert_close_runs(out[True], out[False])
-    assert calls  # one-token steps between the speculative ones went through the kernel
+    assert calls["tgi_vlm::decode_attention"]  # one-token steps between the speculative ones went through the kernel

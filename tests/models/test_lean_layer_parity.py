@@ -3,9 +3,9 @@ layer forward give the same logits, bit for bit, and the same tokens: prefill ch
 rows, requests joining and finishing at different steps, in float32 and bfloat16. The parity suites
 compare the default (lean) path with transformers' generate; this pins it to the layer it replaces.
 
-Bit for bit with torch's RMSNorm (`NATIVE_NORM` off, set here for every test but the last one); the native
-RMSNorm, on by default where the native library loads, sums its squares in double, so with it the logits agree
-to float32 rounding and the tokens are equal (the last tests)."""
+Bit for bit with torch's RMSNorm (`KernelSettings.native_norm` off, for every test but the last ones); the native
+RMSNorm, on by default where it loads, sums its squares in double, so with it the logits agree to float32 rounding
+and the tokens are equal (the last tests)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ import pytest
 import torch
 
 from tests.conftest import load_engine
-from tests.models.test_decode_mirror_parity import _native_kernel_here, assert_identical_runs, run
-from tgi_vlm.layers import cpu_decoder
-from tgi_vlm.layers.cpu_decoder import remove_lean_layers
+from tests.models.test_decode_mirror_parity import assert_identical_runs, run
+from tests.unit.kernels_here import needs, op_calls, require
+from tgi_vlm.config import KernelSettings
+from tgi_vlm.layers.cpu_decoder import install_lean_layers, remove_lean_layers
+
+TORCH_NORM = KernelSettings(native_norm=False)
 
 
-@pytest.fixture(autouse=True)
-def torch_rms_norm(monkeypatch):
-    """Torch's RMSNorm for the bit-exact tests; the native-norm test turns it back on itself."""
-    monkeypatch.setattr(cpu_decoder, "NATIVE_NORM", False)
+def lean_engine(arch: str, kernels: KernelSettings = TORCH_NORM, **config):
+    """An engine whose lean layers use `kernels` (torch's RMSNorm unless told otherwise)."""
+    engine = load_engine(arch, kernels=kernels, **config)
+    # layers/cpu.py installs the lean layers with the default settings until it is handed EngineConfig.kernels
+    install_lean_layers(engine.language_model, kernels)
+    return engine
 
 # Every tiny architecture: those whose text layers are Llama-family get the lean forward.
 COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm")
@@ -39,15 +44,15 @@ def arch_for_requests(arch: str) -> str:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", COVERED)
 def test_lean_layers_give_transformers_layers_logits_bit_for_bit(arch, dtype):
-    lean_engine = load_engine(arch, dtype=dtype)
-    layers = lean_engine.language_model.config.num_hidden_layers
-    assert lean_layers(lean_engine) == layers
+    lean = lean_engine(arch, dtype=dtype)
+    layers = lean.language_model.config.num_hidden_layers
+    assert lean_layers(lean) == layers
     plain_engine = load_engine(arch, dtype=dtype)
     assert remove_lean_layers(plain_engine.language_model) == layers and lean_layers(plain_engine) == 0
     requests = arch_for_requests(arch)
-    lean, plain = run(lean_engine, requests), run(plain_engine, requests)
-    assert_identical_runs(lean, plain)
-    assert sorted(lean.tokens) == [0, 1, 2, 10, 11]
+    lean_run, plain_run = run(lean, requests), run(plain_engine, requests)
+    assert_identical_runs(lean_run, plain_run)
+    assert sorted(lean_run.tokens) == [0, 1, 2, 10, 11]
 
 
 @pytest.mark.parametrize("arch", NOT_COVERED)
@@ -68,7 +73,7 @@ def test_long_prefills_stay_bit_for_bit(dtype, mkl, monkeypatch):
     words = "the cat sat on a mat and looked at the dog who ran away from it".split()
     runs = []
     for lean in (True, False):
-        engine = load_engine("qwen2", dtype=dtype)
+        engine = lean_engine("qwen2", dtype=dtype)
         if not lean:
             remove_lean_layers(engine.language_model)
         runner = Runner(engine)
@@ -80,30 +85,23 @@ def test_long_prefills_stay_bit_for_bit(dtype, mkl, monkeypatch):
     assert_identical_runs(*runs)
 
 
-needs_native = pytest.mark.skipif(not _native_kernel_here(), reason="the native library needs x86-64 with AVX-512 "
-                                                                     "and a C compiler")
-
-
-@needs_native
+@needs("rms_norm")
 @pytest.mark.parametrize("arch", ["qwen2", "qwen2_vl", "idefics2"])
-def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to_float32_rounding(arch, monkeypatch):
+def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to_float32_rounding(arch):
     """float32: an ulp here and there in the norms' outputs moves logits by up to ~3e-5 over a run; they stay within
     the parity suites' 1e-4 of transformers' layers and the tokens are equal. The native norm must have run
     (counted)."""
-    from tgi_vlm.layers.attention.native_decode import NativeDecodeAttention
-
-    monkeypatch.setattr(cpu_decoder, "NATIVE_NORM", True)
-    calls = []
-    real = NativeDecodeAttention.rms_norm
-    monkeypatch.setattr(NativeDecodeAttention, "rms_norm", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    lean_engine = load_engine(arch, dtype="float32")
+    require("rms_norm")
+    lean = lean_engine(arch, KernelSettings(native_norm=True), dtype="float32")
     plain_engine = load_engine(arch, dtype="float32")
     remove_lean_layers(plain_engine.language_model)
     requests = arch_for_requests(arch)
-    lean, plain = run(lean_engine, requests), run(plain_engine, requests)
-    assert calls, "the native norm did not run"
-    assert dict(lean.tokens) == dict(plain.tokens)
-    for rid, rows in plain.logits.items():
-        assert len(lean.logits[rid]) == len(rows)
-        for mine, theirs in zip(lean.logits[rid], rows):
+    with op_calls() as calls:
+        lean_run = run(lean, requests)
+    plain_run = run(plain_engine, requests)
+    assert calls["tgi_vlm::rms_norm"], "the native norm did not run"
+    assert dict(lean_run.tokens) == dict(plain_run.tokens)
+    for rid, rows in plain_run.logits.items():
+        assert len(lean_run.logits[rid]) == len(rows)
+        for mine, theirs in zip(lean_run.logits[rid], rows):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-4)

@@ -1,4 +1,4 @@
-"""layers/cpu_decoder.py's pieces equal transformers' own, bit for bit."""
+"""layers/cpu_decoder.py's pieces equal transformers' own: bit for bit, the native RMSNorm to the last place."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
 
+from tests.unit.kernels_here import needs, op_calls, require
+from tgi_vlm.kernels.cpu import ops
 from tgi_vlm.layers.cpu_decoder import _rotate, rms_norm
 
 
@@ -21,24 +23,23 @@ def test_rms_norm_is_transformers_rms_norm(norm_type, dtype):
         assert torch.equal(rms_norm(norm, x), norm(x))
 
 
+@needs("rms_norm")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_rms_norm_is_transformers_rms_norm_to_the_last_place(dtype):
-    """native/rms_norm.c: the same steps as transformers' RMSNorm except the sum of squares (double there): float32
+    """kernels/cpu/csrc/rms_norm.c: the same steps as transformers' RMSNorm except the sum of squares (double there): float32
     outputs within 4 float32 ulps of torch's (an ulp in the variance, then the rounded steps after it) and, as
     torch's, within 4 ulps of a float64 norm; bfloat16 within 4 bf16 ulps (equal in practice); rows with a stride (a slice) are taken as they are, a transposed input is left to torch."""
-    from tests.unit.test_native_decode import pytestmark as unsupported
-    from tgi_vlm.layers.attention import native_decode
-
-    if unsupported.args[0]:
-        pytest.skip(unsupported.kwargs["reason"])
-    native = native_decode.load()
+    require("rms_norm")
     g = torch.Generator().manual_seed(0)
     ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7
     for hidden, rows, scale in ((64, 1, 1.0), (768, 13, 30.0), (1000, 7, 0.01), (3584, 301, 3.0), (13, 2, 1.0)):
         norm = Qwen2VLRMSNorm(hidden, eps=1e-5).to(dtype)
         norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
         x = (torch.randn(1, rows, hidden, generator=g) * scale).to(dtype)
-        want, got = norm(x), rms_norm(norm, x, native)
+        with op_calls() as calls:
+            got = rms_norm(norm, x, native=True)
+        want = norm(x)
+        assert calls == {"tgi_vlm::rms_norm": 1}
         assert got.shape == want.shape and got.dtype == dtype
         assert ((got.double() - want.double()).abs() <= 4 * ulp * want.double().abs() + 1e-30).all(), hidden
         x64 = x.double()
@@ -49,12 +50,12 @@ def test_native_rms_norm_is_transformers_rms_norm_to_the_last_place(dtype):
     norm = Qwen2VLRMSNorm(64, eps=1e-5).to(dtype)
     norm.weight.data = torch.randn(64, generator=g).to(dtype)
     sliced = torch.randn(1, 4, 128, generator=g).to(dtype)[..., :64]  # rows 128 apart
-    assert native.can_norm(sliced, norm.weight)
-    want, got = norm(sliced), rms_norm(norm, sliced, native)
+    assert ops.can_norm(sliced, norm.weight)
+    want, got = norm(sliced), rms_norm(norm, sliced, native=True)
     assert ((got.double() - want.double()).abs() <= 4 * ulp * want.double().abs() + 1e-30).all()
     transposed = torch.randn(1, 64, 4, generator=g).to(dtype).transpose(1, 2)  # elements of a row 4 apart
-    assert not native.can_norm(transposed, norm.weight)
-    assert torch.equal(rms_norm(norm, transposed, native), norm(transposed))
+    assert not ops.can_norm(transposed, norm.weight)
+    assert torch.equal(rms_norm(norm, transposed, native=True), norm(transposed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -40,6 +40,11 @@ FORBIDDEN = {
     "benchmarking": (SERVER, TESTING, LAYERS, GENERATION),
     "images.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH),
     "blocks.py": ("tgi_vlm.",),
+    # The native kernels are the bottom floor: layers import them, never the reverse.
+    "kernels": ("tgi_vlm.models", "tgi_vlm.layers", "tgi_vlm.generation", "tgi_vlm.server", "tgi_vlm.router",
+                "tgi_vlm.testing", "tgi_vlm.api"),
+    # The torch attention backend is the reference the native paths are tested against: no native code in it.
+    "layers/attention/torch_backend.py": ("tgi_vlm.kernels",),
 }
 
 # Where a part may reach into a layer it otherwise stays out of (docs/architecture.md, "Layers"):

@@ -1,31 +1,28 @@
-"""layers/skinny_linear.py: the native float32 loop for decode-sized linears computes F.linear to float32 rounding,
-and the `mkl-packed+native-skinny` kernel sends it exactly the products it is for."""
+"""layers/skinny_linear.py and `tgi_vlm::skinny_linear`: the native float32 loop for decode-sized linears computes
+F.linear to float32 rounding, refuses inputs that do not fit its weight layout before any C runs, and the
+`mkl-packed+native-skinny` kernel sends it exactly the products it is for."""
 
 from __future__ import annotations
-
-import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.test_native_decode import _avx512
+from tests.unit.kernels_here import needs, op_calls, require
+from tgi_vlm.config import KernelSettings
+from tgi_vlm.kernels.cpu import ops
+from tgi_vlm.kernels.cpu.ops import blocked_weight
 from tgi_vlm.layers import skinny_linear
-from tgi_vlm.layers.attention import native_decode
 from tgi_vlm.layers.linear.kernels import MklPackedLinear, MklSkinnyLinear, PlainWeights, mkl_packs_float32
-from tgi_vlm.layers.skinny_linear import blocked_weight, skinny_weight
+from tgi_vlm.layers.skinny_linear import skinny_available, skinny_weight
 
-# Only hardware the loop is not built for skips; where it should load, failing to load fails the tests.
-pytestmark = pytest.mark.skipif(
-    platform.machine() != "x86_64" or not _avx512() or native_decode._compiler() is None,
-    reason="the native skinny linear needs x86-64 with AVX-512 and a C compiler",
-)
+needs_the_loop = needs("skinny_linear")
 
 
 @pytest.fixture(scope="module")
 def native():
-    loaded = native_decode.load()
-    assert loaded is not None and loaded.linear_max_rows >= skinny_linear.MAX_ROWS
+    loaded = require("skinny_linear")
+    assert ops.skinny_max_rows() >= skinny_linear.MAX_ROWS
     return loaded
 
 
@@ -37,6 +34,7 @@ def _rms_error(got: torch.Tensor, want: torch.Tensor) -> float:
 SHAPES = [(768, 1280), (2560, 768), (768, 3763), (64, 48), (33, 17), (300, 1)]
 
 
+@needs_the_loop
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_products_are_float32_accurate_for_every_decode_row_count(native, in_features, out_features):
     """Against a float64 product, with and without bias, for every row count the loop takes (row tiles of 14 split
@@ -68,6 +66,7 @@ def test_the_blocked_layout_holds_16_columns_per_input_position_and_zero_padding
     assert torch.equal(blocked[2, :, 8:], torch.zeros(3, 8)) and torch.equal(blocked[3], torch.zeros(3, 16))
 
 
+@needs_the_loop
 def test_batched_inputs_keep_their_leading_shape(native):
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
@@ -77,25 +76,34 @@ def test_batched_inputs_keep_their_leading_shape(native):
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_inconsistent_inputs_are_refused_before_the_c_code(native):
-    """The C code indexes raw memory: wrong shapes, dtypes or row counts stop in Python with a ValueError."""
+def test_inconsistent_inputs_are_refused_before_the_c_code():
+    """The C code indexes raw memory: wrong shapes, dtypes or row counts stop in Python with a ValueError (these
+    checks come before the library is looked up: they hold where it is not built)."""
     weight = torch.randn(48, 64)
     blocked = blocked_weight(weight)
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(native.linear_max_rows + 1, 64), blocked, 48, None)
+        ops.skinny_linear(torch.randn(3, 63), blocked, 48, None)
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(3, 63), blocked, 48, None)
+        ops.skinny_linear(torch.randn(3, 64), blocked, 80, None)  # more outputs than the layout holds
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(3, 64), blocked, 80, None)  # more outputs than the layout holds
+        ops.skinny_linear(torch.randn(3, 64), blocked, 48, torch.randn(47))
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(3, 64), blocked, 48, torch.randn(47))
+        ops.skinny_linear(torch.randn(3, 64).to(torch.bfloat16), blocked, 48, None)
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(3, 64).to(torch.bfloat16), blocked, 48, None)
+        ops.skinny_linear(torch.randn(0, 64), blocked, 48, None)
     with pytest.raises(ValueError, match="inconsistent"):
-        native.skinny_linear(torch.randn(0, 64), blocked, 48, None)
+        ops.skinny_linear(torch.randn(3, 64), blocked[:, :, :8], 48, None)
 
 
-def test_packed_float32_weights_use_the_loop_for_decode_rows_and_mkl_above(native, monkeypatch):
+@needs_the_loop
+def test_more_rows_than_the_loop_takes_are_refused(native):
+    blocked = blocked_weight(torch.randn(48, 64))
+    with pytest.raises(ValueError, match="inconsistent"):
+        ops.skinny_linear(torch.randn(ops.skinny_max_rows() + 1, 64), blocked, 48, None)
+
+
+@needs_the_loop
+def test_packed_float32_weights_use_the_loop_for_decode_rows_and_mkl_above(native):
     """With a decode copy: 1..MAX_ROWS rows through the native loop, more through MKL's packed GEMM; without one
     (a model too large for a second copy) everything through MKL."""
     assert mkl_packs_float32()
@@ -104,24 +112,20 @@ def test_packed_float32_weights_use_the_loop_for_decode_rows_and_mkl_above(nativ
     layers = [torch.nn.Linear(64, 48) for _ in range(2)]
     for layer in layers:
         layer.weight.data, layer.bias.data = weight.clone(), bias.clone()
-    calls = []
-    real = native_decode.NativeDecodeAttention.skinny_linear
-    monkeypatch.setattr(native_decode.NativeDecodeAttention, "skinny_linear",
-                        lambda self, x, *rest: calls.append(x.shape[0]) or real(self, x, *rest))
     with_copy = MklSkinnyLinear(PlainWeights((layers[0],)))
     without = MklPackedLinear(PlainWeights((layers[1],)))
+    calls = []
     for rows in (1, 13, skinny_linear.MAX_ROWS, skinny_linear.MAX_ROWS + 1, 300):
         x = torch.randn(rows, 64)
         for packed in (with_copy, without):
-            torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+            with op_calls() as counted:
+                torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+            calls += [rows] * counted["tgi_vlm::skinny_linear"]
     assert with_copy.skinny is not None
     assert calls == [1, 13, skinny_linear.MAX_ROWS]
 
 
-def test_switched_off_or_another_dtype_makes_no_copy(native, monkeypatch):
+def test_switched_off_or_another_dtype_makes_no_copy():
     assert skinny_weight(torch.randn(8, 8).to(torch.bfloat16)) is None
-    monkeypatch.setattr(skinny_linear, "ENABLED", False)
-    assert skinny_weight(torch.randn(8, 8)) is None
-    from tgi_vlm.layers.cpu import skinny_available
-
-    assert not skinny_available()  # the plan then gives float32 layers MKL alone
+    assert skinny_weight(torch.randn(8, 8), KernelSettings(skinny_linear=False)) is None
+    assert not skinny_available(KernelSettings(skinny_linear=False))  # the plan then gives float32 layers MKL alone

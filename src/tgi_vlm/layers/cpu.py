@@ -119,9 +119,5 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
 def skinny_available() -> bool:
     """Whether float32 decode products may use the native skinny loop (the library loads, and it is switched on)."""
     from tgi_vlm.layers import skinny_linear
-    from tgi_vlm.layers.attention import native_decode
 
-    if not skinny_linear.ENABLED:
-        return False
-    library = native_decode.load()
-    return library is not None and library.linear_max_rows >= 1
+    return skinny_linear.skinny_available()

@@ -8,24 +8,27 @@ transformers' Llama-family layers make. For layers whose q/k/v and gate/up proje
 
 - the fused q/k/v product is sliced directly (no per-member split and bookkeeping);
 - rotary is applied to the query and key heads in one pass over their joint block (the same
-  element-wise `x * cos + rotate_half(x) * sin` as transformers' `apply_rotary_pos_emb`); with the torch
-  backend's native library (CPU), that pass and the K/V store into the cache are one C call with the same
-  roundings (`NativeDecodeAttention.rotary_and_store`);
-- RMSNorm is one C call with the torch backend's native library (`NativeDecodeAttention.rms_norm`, native/rms_norm.c:
-  transformers' steps, except that the sum of squares is accumulated in double, so an output may differ from
-  torch's in its last places (within 4 ulps); torch runs it as ~6 operations of ~10-30 us each on a decode batch:
-  paired, bf16 decode step 29.1 -> 26.8 ms and prefill 102 -> 94 ms, float32 0.94 both); without the library
-  (or with `NATIVE_NORM` off), `F.rms_norm` on float32 followed by the weight, bit-equal to transformers'
-  RMSNorm (tests/unit/test_cpu_decoder.py checks both);
+  element-wise `x * cos + rotate_half(x) * sin` as transformers' `apply_rotary_pos_emb`); with the native
+  kernel `tgi_vlm::rotary_and_store` (kernels/cpu/, `KernelSettings.native_rotary`), that pass and the K/V store
+  into the cache are one C call with the same roundings, where the attention backend takes K/V written by its
+  caller (`takes_written_kv`: the torch backends);
+- RMSNorm is one C call with the native kernel `tgi_vlm::rms_norm` (`KernelSettings.native_norm`,
+  kernels/cpu/csrc/rms_norm.c: transformers' steps, except that the sum of squares is accumulated in double, so an
+  output may differ from torch's in its last places (within 4 ulps); torch runs it as ~6 operations of ~10-30 us
+  each on a decode batch: paired, bf16 decode step 29.1 -> 26.8 ms and prefill 102 -> 94 ms, float32 0.94 both);
+  without the kernel (switched off, or not loaded), `F.rms_norm` on float32 followed by the weight, bit-equal to
+  transformers' RMSNorm (tests/unit/test_cpu_decoder.py checks both);
 - the submodules' forwards are called directly, without `Module.__call__` or transformers'
   argument-deprecation wrappers (the layers carry no hooks when installed, which `install_lean_layers`
   checks; a hook added on a submodule later would not run: `remove_lean_layers` first).
 
-With torch's RMSNorm every operation is transformers' own in the same order, so outputs are bit-equal to the
-layer's own forward (tests/models/test_lean_layer_parity.py compares logits exactly on every covered
-architecture); with the native norm (the default on CPU), logits agree to float32 rounding and tokens are
-transformers' (the same file, and every float32 parity suite, which runs the default). Measured on the bench model (bf16, 13 decoding sequences, paired in one process):
-decode step 28.9 -> 27.1 ms, a prefill step with two new prompts 93.0 -> 90.7 ms.
+Which kernels a layer uses is chosen once, when the lean forward is installed (`install_lean_layers`, from the
+settings and what loaded). With torch's RMSNorm every operation is transformers' own in the same order, so outputs
+are bit-equal to the layer's own forward (tests/models/test_lean_layer_parity.py compares logits exactly on every
+covered architecture); with the native norm (the default where it loads), logits agree to float32 rounding and
+tokens are transformers' (the same file, and every float32 parity suite, which runs the default). Measured on the
+bench model (bf16, 13 decoding sequences, paired in one process): decode step 28.9 -> 27.1 ms, a prefill step with
+two new prompts 93.0 -> 90.7 ms.
 
 Covered: the layer classes in LEAN_LAYER_CLASSES, whose forward (residual, input norm, attention
 with standard rotary, residual, post-attention norm, gated MLP) this reproduces. Any other layer,
@@ -34,14 +37,17 @@ or one whose projections were not fused, keeps transformers' forward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tgi_vlm.config import KernelSettings
+from tgi_vlm.kernels import cpu as cpu_kernels
+from tgi_vlm.kernels.cpu import ops
 from tgi_vlm.layers.attention.backend import paged_attention
-from tgi_vlm.layers.attention.torch_backend import TorchPagedBackend
 from tgi_vlm.layers.linear.fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -66,22 +72,20 @@ class LeanParts:
     kv_heads: int
     head_dim: int
     sliding_window: int | None
+    native_norm: bool = False  # tgi_vlm::rms_norm where it takes the input (else torch's operations)
+    native_rotary: bool = False  # tgi_vlm::rotary_and_store where it takes the product and the backend the K/V
 
     @property
     def qk_width(self) -> int:
         return (self.q_heads + self.kv_heads) * self.head_dim
 
 
-NATIVE_NORM = True  # benchmarks/cpu_paths.py and the bit-exact parity tests turn it off
-
-
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor, native=None) -> torch.Tensor:
-    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight. With `native` (the torch backend's native library, `_native_library`): one C call, the same steps except
-    the sum of squares (in double there), so within a few ulps of torch's; else torch's operations, bit-equal."""
-    if native is not None and NATIVE_NORM:
-        normed = native.rms_norm(x, norm.weight, norm.variance_epsilon)
-        if normed is not None:
-            return normed
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm: float32 normalization, cast back, times the weight. `native`: one call of
+    `tgi_vlm::rms_norm` where it takes `x` (the same steps except the sum of squares, in double there, so within a
+    few ulps of torch's); else, or where it does not, torch's operations, bit-equal."""
+    if native and ops.can_norm(x, norm.weight):
+        return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
 
@@ -92,20 +96,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-NATIVE_ROTARY = True  # benchmarks/cpu_paths.py turns it off to measure what the fused pass buys
-
-
-def _native_library(meta):
-    """The torch backend's native library (CPU, where it loaded and `TGI_VLM_NATIVE_ATTENTION` is not 0), or None."""
-    backend = getattr(meta, "backend", None)
-    return getattr(backend, "native", None) if isinstance(backend, TorchPagedBackend) else None
-
-
-def _rotates_natively(library, k_cache: torch.Tensor | None, qkv: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor) -> bool:
-    """Whether the native library (`_native_library`) rotates this layer's heads and stores its K/V (CPU, float32 or
-    bfloat16 matching the cache, one packed row of tokens); else torch's operations run."""
-    return NATIVE_ROTARY and library is not None and library.can_rotate(qkv, cos, sin, k_cache)
+def _rotate_and_store(parts: LeanParts, layer_idx: int, meta, qkv: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor):
+    """Query `[1, Hq, T, D]`, key and value `[1, Hkv, T, D]` with this step's K/V already stored at `meta.slots`
+    (`tgi_vlm::rotary_and_store`, bit-equal to `_rotate` and the torch backend's `write_kv`), or None where the
+    kernel or the backend cannot take them (then the caller runs torch's operations)."""
+    if not (parts.native_rotary and getattr(meta.backend, "takes_written_kv", False)):
+        return None
+    k_cache, v_cache = meta.kv_cache.flat(layer_idx)
+    if not ops.can_rotate(qkv, cos, sin, parts.q_heads, k_cache, v_cache):
+        return None
+    q, k = ops.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots)  # [T, H, D]
+    tokens = qkv.shape[1]
+    value = qkv[0, :, parts.qk_width :].view(tokens, parts.kv_heads, parts.head_dim)
+    return q.transpose(0, 1)[None], k.transpose(0, 1)[None], value.transpose(0, 1)[None]
 
 
 def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
@@ -114,14 +118,12 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     attn, mlp = self.self_attn, self.mlp
     bsz, q_len, _ = hidden_states.shape
     meta = kwargs.get("attn_metadata")
-    library = _native_library(meta)
-    x = rms_norm(self.input_layernorm, hidden_states, library)
+    x = rms_norm(self.input_layernorm, hidden_states, parts.native_norm)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
-    k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx) if library is not None else (None, None)
-    if _rotates_natively(library, k_cache, qkv, cos, sin):  # one C pass, bit-equal to the torch operations below
-        query, key, value = library.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots,
-                                                     meta.max_slot())
+    stored = _rotate_and_store(parts, attn.layer_idx, meta, qkv, cos, sin)  # one C pass, bit-equal to the below
+    if stored is not None:
+        query, key, value = stored
         out = meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
                                    sliding_window=parts.sliding_window, kv_written=True)
     else:
@@ -133,12 +135,12 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
         out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
                                  sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     hidden_states = hidden_states + attn.o_proj.forward(out.reshape(bsz, q_len, -1))
-    gate_up = parts.gate_up.product(rms_norm(self.post_attention_layernorm, hidden_states, library))
+    gate_up = parts.gate_up.product(rms_norm(self.post_attention_layernorm, hidden_states, parts.native_norm))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
     return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 
-def _parts(layer: torch.nn.Module) -> LeanParts | None:
+def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> LeanParts | None:
     """The fused groups and head counts of a covered layer, or None when it does not qualify."""
     if _PARTS_ATTR in layer.__dict__:
         return None  # already lean
@@ -159,7 +161,8 @@ def _parts(layer: torch.nn.Module) -> LeanParts | None:
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # hooks (e.g. a tensor-parallel plan's) must run: keep transformers' forward
-    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn))
+    return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
+                     native_norm, native_rotary)
 
 
 _LEAN_CLASSES: dict[type, type] = {}
@@ -172,12 +175,23 @@ def _lean_class(cls: type) -> type:
     return _LEAN_CLASSES[cls]
 
 
-def install_lean_layers(language_model: torch.nn.Module) -> int:
+def install_lean_layers(language_model: torch.nn.Module, kernels: KernelSettings | None = None) -> int:
     """Give every covered, fused decoder layer of `language_model` the lean forward (its class becomes the lean
-    subclass of its own: parameters, hooks and place in the model unchanged); returns the count."""
+    subclass of its own: parameters, hooks and place in the model unchanged); layers already lean take these
+    settings' kernels. `kernels`: which native kernels the layers use where they loaded (None: `KernelSettings()`'s
+    defaults). Returns the count."""
+    kernels = kernels or KernelSettings()
+    loaded = cpu_kernels.load(kernels) if kernels.native_norm or kernels.native_rotary else None
+    native_norm = kernels.native_norm and loaded.available("rms_norm")
+    native_rotary = kernels.native_rotary and loaded.available("rotary_and_store")
     count = 0
     for layer in language_model.modules():
-        parts = _parts(layer)
+        lean = layer.__dict__.get(_PARTS_ATTR)
+        if lean is not None:
+            layer.__dict__[_PARTS_ATTR] = dataclasses.replace(lean, native_norm=native_norm, native_rotary=native_rotary)
+            count += 1
+            continue
+        parts = _parts(layer, native_norm, native_rotary)
         if parts is None:
             continue
         layer.__dict__[_PARTS_ATTR] = parts

@@ -171,8 +171,8 @@ class FlashCausalLM(ShardModel):
         self.layout = layout or ShardLayout.unsharded(self.text_config)
         self.ranks = RankAgreement(self.layout.world_size)
         self.kv_spec = _kv_spec(self.text_config, config.block_size, self.dtype, self.layout.kv_heads)
-        self.attention = make_backend(config.attention, self.attention_pattern(), decode_mirror=config.decode_mirror_share,
-                                      native_attention=config.native_attention_on)
+        self.attention = make_backend(config.attention, self.attention_pattern(), device=config.device,
+                                      decode_mirror=config.decode_mirror_share, kernels=config.kernels)
         self.prefill_budget: int | None = DEFAULT_PREFILL_BUDGET if config.prefill_chunking else None
         self.kv_cache: PagedKVCache | None = None
         self.pool: BlockPool | None = None

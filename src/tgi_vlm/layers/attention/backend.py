@@ -46,6 +46,9 @@ class AttentionPattern:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    # forward takes `kv_written=True`: the caller stored the step's K/V at `meta.slots` itself (the lean CPU
+    # layer's fused rotary + store); backends that cannot skip their own write leave this False.
+    takes_written_kv: ClassVar[bool] = False
 
     def __init__(self, pattern: AttentionPattern | None = None):
         self.pattern = pattern or AttentionPattern()

@@ -8,7 +8,6 @@ per (group, sliding window) and cached for the remaining layers.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,15 +18,6 @@ from tgi_vlm.layers.attention.kv_cache import PagedKVCache
 if TYPE_CHECKING:
     from tgi_vlm.layers.attention.backend import AttentionBackend
 
-
-
-def slot_bound(slots: torch.Tensor, *, empty: int) -> int:
-    """The largest of `slots`, for a bounds check against a cache's slot count before C code indexes it: a negative
-    slot makes it `sys.maxsize`, so that check refuses it too; `empty` when there are none."""
-    if not slots.numel():
-        return empty
-    low, high = torch.aminmax(slots)
-    return int(high) if int(low) >= 0 else sys.maxsize
 
 @dataclass
 class PrefillSpan:
@@ -96,13 +86,6 @@ class AttentionMetadata:
     def clear_masks(self) -> None:
         """Forget cached masks (static graph inputs are refilled in place between runs)."""
         self._masks.clear()
-
-    def max_slot(self) -> int:
-        """The largest slot this step writes (-1: none; `slot_bound`); read back once per step, for the native C
-        code's bounds check (CPU only: a device tensor's read-back would be a host sync)."""
-        if "max_slot" not in self._masks:
-            self._masks["max_slot"] = slot_bound(self.slots, empty=-1)
-        return self._masks["max_slot"]
 
     def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_kv] bool: True where the decode query may attend."""

@@ -6,13 +6,13 @@ its own. Masks come from the metadata (built once per step and shared by the lay
 
 K/V copies: a prefill span with nothing cached before it (the usual first chunk of a prompt)
 attends to the step's own key/value rows, no copy. Spans after a cached prefix gather their
-positions from the paged cache, one `index_select` per layer. The decode group either does the
-same (the reference path: `decode_mirror=0`, and always on GPU) or, on CPU, attends without any copy
-through the native kernel (native_decode.py: AVX-512 C reading the paged cache through each sequence's
-slots) or, where that cannot run, over a dense per-sequence copy that each step only appends to
-(decode_mirror.py): the same values, no whole-context gather per layer. Measured alternatives (benchmarks/results/cpu-profile.md): one SDPA
-per sequence over a view of its blocks when they are contiguous costs ~28 us of call overhead per
-sequence and layer, more than the batched gather at 8+ sequences.
+positions from the paged cache, one `index_select` per layer; so does the decode group (`_decode`).
+On CPU the production backend (cpu_backend.py, a subclass) decodes without that gather: through the
+native kernel, or over a dense per-sequence copy that each step only appends to (decode_mirror.py).
+This backend stays the reference the others are tested against, and imports no native code.
+Measured alternatives (benchmarks/results/cpu-profile.md): one SDPA per sequence over a view of its
+blocks when they are contiguous costs ~28 us of call overhead per sequence and layer, more than the
+batched gather at 8+ sequences.
 """
 
 from __future__ import annotations
@@ -20,62 +20,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tgi_vlm.layers.attention.backend import AttentionBackend, AttentionPattern
-from tgi_vlm.layers.attention.decode_mirror import DecodeMirror, MirrorStep
+from tgi_vlm.layers.attention.backend import AttentionBackend
 from tgi_vlm.layers.attention.metadata import AttentionMetadata
-from tgi_vlm.layers.attention.native_decode import NativeDecodeAttention, NativeDecodeStep
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
-
-    def __init__(self, pattern: AttentionPattern | None = None, *, decode_mirror: float = 0.0,
-                 native: NativeDecodeAttention | None = None):
-        super().__init__(pattern)
-        self.mirror_share = decode_mirror  # of the KV cache's bytes; 0: the reference gather path
-        self.mirror: DecodeMirror | None = None
-        self.native = native  # decode straight from the paged cache (CPU); None: mirror or gather
-        self.native_unsuitable = False  # a layer could not use it (soft-capped, dtype): plan the mirror instead
-
-    def release_idle(self) -> None:
-        self.mirror = None  # its tensors hold the last batch's K/V copy; rebuilt by the next decode step
-
-    def plan(self, meta: AttentionMetadata) -> None:
-        meta.backend_state = None
-        if meta.decode is None:
-            return
-        if self.native is not None and not self.native_unsuitable and self.native.supports_cache(meta.kv_cache.keys[0]):
-            self.mirror = None  # not needed while the kernel reads the cache itself
-            meta.backend_state = NativeDecodeStep(meta.decode)
-            return
-        if not self.mirror_share:
-            return
-        budget = int(self.mirror_share * meta.kv_cache.spec.bytes_per_block * meta.kv_cache.num_blocks)
-        if self.mirror is None or self.mirror.budget_bytes != budget:
-            self.mirror = DecodeMirror(budget)
-        meta.backend_state = self.mirror.plan(meta.decode, meta.kv_cache)
+    takes_written_kv = True
 
     def forward(self, layer_idx, query, key, value, meta: AttentionMetadata, *, scaling, sliding_window,
                 softcap=None, kv_written: bool = False) -> torch.Tensor:
         """`kv_written`: the caller already stored this step's key/value at `meta.slots` (the lean layer's
-        fused rotary, `NativeDecodeAttention.rotary_and_store`)."""
+        fused rotary, `tgi_vlm::rotary_and_store`)."""
         k_cache, v_cache = meta.kv_cache.flat(layer_idx)  # [slots, Hkv, D]
         if not kv_written:
             write_kv(k_cache, v_cache, key, value, meta.slots)
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty_like(q)
         chunk = self.pattern.chunk_size(layer_idx)
-        state = meta.backend_state
-        if isinstance(state, NativeDecodeStep) and self.native.can_run(q, k_cache, softcap):
-            self.native.attend(q, out, k_cache, v_cache, state, scaling, sliding_window, chunk)
-        elif isinstance(state, NativeDecodeStep):
-            self.native_unsuitable = True  # from the next step on, the mirror (this one gathers)
-            _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
-        elif isinstance(state, MirrorStep):
-            self._decode_from_mirror(layer_idx, q, out, k_cache, v_cache, state, scaling,
-                                     sliding_window, chunk, softcap)
-        elif meta.decode is not None:
-            _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
+        if meta.decode is not None:
+            self._decode(layer_idx, q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
         for index, span in enumerate(meta.prefills):
             q_span = q[span.q_start : span.q_end].transpose(0, 1)[None]  # [1, Hq, L, D]
             if span.kv_len == span.q_len and k_cache.dtype == key.dtype:
@@ -91,18 +55,15 @@ class TorchPagedBackend(AttentionBackend):
                 o = causal_attention(q_span, k_span, v_span, scaling)
             else:
                 mask = meta.prefill_mask(index, sliding_window, chunk)
-                o = _attend(q_span, k_span, v_span, mask, scaling, softcap)
+                o = attend(q_span, k_span, v_span, mask, scaling, softcap)
             out[span.q_start : span.q_end] = o[0].transpose(0, 1)
         return out[None]
 
-
-    def _decode_from_mirror(self, layer_idx, q, out, k_cache, v_cache, step: MirrorStep, scaling,
-                            sliding_window, chunk, softcap) -> None:
-        k, v = self.mirror.sync_layer(layer_idx, k_cache, v_cache)  # [B, Hkv, width, D], mirror row order
-        q_dec = q.index_select(0, step.token_rows)[:, :, None, :]  # [B, Hq, 1, D]
-        mask = self.mirror.mask(step, sliding_window, chunk)
-        o = _attend(q_dec, k.to(q.dtype), v.to(q.dtype), mask, scaling, softcap)  # [B, Hq, 1, D]
-        out.index_copy_(0, step.token_rows, o[:, :, 0])
+    def _decode(self, layer_idx, q, out, k_cache, v_cache, meta: AttentionMetadata, scaling, sliding_window, chunk,
+                softcap) -> None:
+        """The decode group's rows of `out` (`q` `[T, Hq, D]`): the reference, a gather of each sequence's
+        positions from the paged cache and one batched SDPA (the CPU backend overrides this)."""
+        gather_decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap)
 
 
 def _plain_causal(span, sliding_window: int | None, chunk: int | None) -> bool:
@@ -144,7 +105,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)[:, :, :length]
 
 
-def _attend(q, k, v, mask, scaling, softcap) -> torch.Tensor:
+def attend(q, k, v, mask, scaling, softcap) -> torch.Tensor:
     """SDPA, or the explicit form when logits are soft-capped (Gemma2: cap·tanh(s/cap) before the mask)."""
     if not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -156,13 +117,14 @@ def _attend(q, k, v, mask, scaling, softcap) -> torch.Tensor:
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def _decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap) -> None:
+def gather_decode(q, out, k_cache, v_cache, meta, scaling, sliding_window, chunk, softcap) -> None:
+    """The reference decode: every decode row's positions gathered from the paged cache, one batched SDPA."""
     group = meta.decode
     q_dec = (q if group.rows_are_all else q[group.rows])[:, :, None, :]  # [B, Hq, 1, D]
     k_dec = _gather(k_cache, group.slot_index).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, max_kv, D]
     v_dec = _gather(v_cache, group.slot_index).permute(0, 2, 1, 3).to(q.dtype)
     mask = meta.decode_mask(sliding_window, chunk)
-    o = _attend(q_dec, k_dec, v_dec, mask, scaling, softcap)
+    o = attend(q_dec, k_dec, v_dec, mask, scaling, softcap)
     if group.rows_are_all:
         out.copy_(o[:, :, 0])
     else:

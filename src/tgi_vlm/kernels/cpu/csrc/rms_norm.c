@@ -1,5 +1,6 @@
-/* RMSNorm of transformers' Llama-family layers in one pass per row (tgi_vlm/layers/cpu_decoder.py calls it through
-   native_decode.py; torch's operations are the reference it is tested against).
+/* RMSNorm of transformers' Llama-family layers in one pass per row (the op tgi_vlm::rms_norm,
+   tgi_vlm/kernels/cpu/ops.py, which the lean decoder layer calls; torch's operations are the reference it is
+   tested against).
 
    Why: on CPU, torch runs this norm as ~6 operations (pow, mean, add, rsqrt, mul, casts), each a dispatch and, for a
    decode batch of a few rows, an OpenMP region for a few microseconds of work: ~100 us per call, 24 calls per step

@@ -1,5 +1,6 @@
-/* Decode attention over the paged KV cache, for x86-64 CPUs with AVX-512 (tgi_vlm/layers/attention/native_decode.py
-   builds and loads this file; the torch backend is the reference it is tested against).
+/* Decode attention over the paged KV cache, for x86-64 CPUs with AVX-512 (the op tgi_vlm::decode_attention:
+   tgi_vlm/kernels/cpu/ builds, loads and checks the inputs of this file; the torch backend is the reference it is
+   tested against).
 
    One query token per sequence (B sequences), each attending to its cached positions [start, end), read straight
    from the paged cache through the sequence's slot list: no gathered copy, no padding to the longest sequence.

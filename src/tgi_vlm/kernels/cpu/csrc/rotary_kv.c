@@ -1,5 +1,5 @@
 /* Rotary embedding of the query and key heads of a fused q/k/v product, and the step's keys and values stored
-   into the paged cache, in one pass (tgi_vlm/layers/attention/native_decode.py loads it with the decode kernel).
+   into the paged cache, in one pass (the op tgi_vlm::rotary_and_store, tgi_vlm/kernels/cpu/ops.py).
 
    Bit for bit what the lean decoder layer's torch operations compute (layers/cpu_decoder.py `_rotate` and the
    torch backend's `write_kv`): out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the

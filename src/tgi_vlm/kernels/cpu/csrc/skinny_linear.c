@@ -1,13 +1,13 @@
 /* Float32 linear layers for few rows (decode batches) on x86-64 CPUs with AVX-512: y = x W^T + b for up to MAX_ROWS
-   rows (tgi_vlm/layers/skinny_linear.py lays the weight out and calls this; F.linear is the reference it is tested
-   against).
+   rows (the op tgi_vlm::skinny_linear; tgi_vlm/kernels/cpu/ops.py lays the weight out and checks the inputs;
+   F.linear is the reference it is tested against).
 
    Why: a decode step multiplies a handful of rows by every weight once, so its speed is how fast the weights stream
    from memory. On the 2-core host measured, MKL's packed kernel streams the bench model's float32 decode weights at
    ~13-15 GB/s for 13 rows (oneDNN's alike), this loop at ~21-23 GB/s (~23-27 GB/s for one row): it has no work
    besides the products and prefetches the weights ahead of them (benchmarks/skinny_linear.py).
 
-   Weight layout (made once, `skinny_linear.blocked_weight`): columns in blocks of 16, each block k-major
+   Weight layout (made once, `ops.blocked_weight`): columns in blocks of 16, each block k-major
    ([N/16][K][16]), so one 64-byte load is 16 columns' weights for one k. N is padded to a multiple of 32 with zero
    columns.
 

@@ -1,0 +1,334 @@
+"""The native CPU kernels as torch ops, namespace `tgi_vlm` (`torch.ops.tgi_vlm.<name>`).
+
+Each op is a `torch.library.custom_op` with a fake implementation, so it shows in the profiler under its name and
+torch.compile traces it without running it. The C code indexes raw memory: every op checks, at its own entry, what
+would otherwise read or write outside its tensors (shapes, dtypes, contiguity, alignment, and every index: the
+largest and the smallest slot are read from the slot tensors themselves, never taken from the caller), and refuses
+with a ValueError. Those checks come before the library is looked up, so they hold where it is not built as well.
+An op whose library did not load (`library.load`) raises RuntimeError with the loader's reason; callers ask
+`CpuKernels.available` first, and the `can_*` predicates below for the inputs at hand, and run torch's operations
+otherwise.
+
+| op | computes | mutates |
+|---|---|---|
+| `decode_attention` | one query row per sequence over its cached positions, from the paged cache | `out` |
+| `rotary_and_store` | rotary of the query and key heads, and the K/V store at the slots | `k_cache`, `v_cache` |
+| `rms_norm` | transformers' Llama-family RMSNorm | nothing |
+| `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tgi_vlm.kernels.cpu import library
+
+MAX_HEAD_DIM = 256  # decode_attention.c's MAX_HEAD_DIM
+_DTYPE_CODES = library.DTYPE_CODES
+
+
+_SMALL = 256  # up to this many indices, min/max of a host list is cheaper than aminmax and two read-backs
+
+
+def slot_bound(slots: torch.Tensor, *, empty: int) -> int:
+    """The largest of `slots` (a CPU tensor), for a bounds check against a cache's slot count: a negative slot
+    makes it `sys.maxsize`, so that check refuses it too; `empty` when there are none."""
+    count = slots.numel()
+    if not count:
+        return empty
+    if count <= _SMALL:
+        values = slots.view(-1).tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(v) for v in torch.aminmax(slots))
+    return high if low >= 0 else sys.maxsize
+
+
+def _loaded(op: str):
+    kernels = library.loaded()
+    lib = kernels.libraries[library.OP_LIBRARY[op]].library if kernels is not None else None
+    if lib is None:
+        reason = kernels.reason(op) if kernels is not None else "the native kernels were not loaded (kernels.cpu.load)"
+        raise RuntimeError(f"tgi_vlm::{op} is not available: {reason}")
+    return lib
+
+
+def _refuse(op: str, problem: str | None) -> None:
+    if problem is not None:
+        raise ValueError(f"tgi_vlm::{op}: {problem}")
+
+
+def _all_cpu(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.is_cpu for t in tensors)
+
+
+# ----- decode attention -----
+
+def _cache_problem(k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    shape = k_cache.shape
+    if not (len(shape) == 3 and k_cache.dtype in _DTYPE_CODES and k_cache.is_contiguous() and shape[1] > 0
+            and 0 < shape[2] <= MAX_HEAD_DIM and shape[2] % 16 == 0):
+        return (f"the cache must be [slots, Hkv, D] contiguous float32 or bfloat16 with D a multiple of 16 up to "
+                f"{MAX_HEAD_DIM}, got {tuple(shape)} {k_cache.dtype}")
+    if not (v_cache.shape == shape and v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()):
+        return f"values {tuple(v_cache.shape)} {v_cache.dtype} do not match keys {tuple(shape)} {k_cache.dtype}"
+    return None
+
+
+def _decode_problem(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_index: torch.Tensor, row_spans: torch.Tensor) -> str | None:
+    """Everything but the indices' values."""
+    problem = _cache_problem(k_cache, v_cache)
+    if problem is not None:
+        return problem
+    if not _all_cpu(q, out, k_cache, v_cache, slot_index, row_spans):
+        return "every tensor must be on the CPU"
+    q_shape, k_shape = q.shape, k_cache.shape
+    if not (len(q_shape) == 3 and q.dtype == k_cache.dtype and q.stride(-1) == 1 and q_shape[2] == k_shape[2]
+            and q_shape[1] % k_shape[1] == 0):
+        return (f"query {tuple(q.shape)} {q.dtype} (last dim contiguous) does not fit the cache "
+                f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    if not (out.shape == q_shape and out.dtype == q.dtype and out.stride(-1) == 1):
+        return f"out {tuple(out.shape)} {out.dtype} is not shaped as the query {tuple(q.shape)} {q.dtype}"
+    if not (slot_index.dtype == torch.long and slot_index.dim() == 2 and slot_index.is_contiguous()):
+        return f"the slot index must be [B, width] contiguous int64, got {tuple(slot_index.shape)} {slot_index.dtype}"
+    if not (row_spans.dtype == torch.long and row_spans.shape == (3, slot_index.shape[0]) and row_spans.is_contiguous()):
+        return (f"row_spans must be [3, {slot_index.shape[0]}] contiguous int64 (rows, starts, ends), got "
+                f"{tuple(row_spans.shape)} {row_spans.dtype}")
+    return None
+
+
+def _decode_index_problem(q: torch.Tensor, k_cache: torch.Tensor, slot_index: torch.Tensor,
+                          row_spans: torch.Tensor) -> str | None:
+    largest = slot_bound(slot_index, empty=0)
+    if largest >= k_cache.shape[0]:
+        return f"a slot past the cache of {k_cache.shape[0]} slots, or negative (largest: {largest})"
+    (rows_low, starts_low, _), (rows_high, _, ends_high) = (v.tolist() for v in row_spans.aminmax(dim=1))
+    if rows_low < 0 or rows_high >= q.shape[0]:
+        return f"a row outside the query's {q.shape[0]} rows ({rows_low}..{rows_high})"
+    if starts_low < 0 or ends_high > slot_index.shape[1]:
+        return f"positions outside the slot index's width {slot_index.shape[1]} ({starts_low}..{ends_high})"
+    return None
+
+
+@torch.library.custom_op("tgi_vlm::decode_attention", mutates_args=("out",), device_types="cpu")
+def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_index: torch.Tensor, row_spans: torch.Tensor, scale: float) -> None:
+    """Decode rows of `q` `[T, Hq, D]` attend over their cached positions; results go to the same rows of `out`
+    (other rows are not touched). `k_cache`/`v_cache` `[slots, Hkv, D]`; `slot_index` `[B, width]`: the cache slot
+    of each position of each sequence; `row_spans` `[3, B]`: sequence b's query/output row, and the first and the
+    end of the positions it attends. Softmax of `scale` q.k over those positions, times V; sums in float32 in
+    another order than torch's (float32: ~1e-7 from SDPA; bfloat16: up to one ulp)."""
+    _refuse("decode_attention", _decode_problem(q, out, k_cache, v_cache, slot_index, row_spans))
+    if not row_spans.shape[1]:
+        return
+    _refuse("decode_attention", _decode_index_problem(q, k_cache, slot_index, row_spans))
+    lib = _loaded("decode_attention")
+    if q.dtype not in lib.attention_dtypes:
+        computed = ", ".join(sorted(str(d) for d in lib.attention_dtypes))
+        raise ValueError(f"tgi_vlm::decode_attention: this build computes {computed}, not {q.dtype}")
+    rows, starts, ends = row_spans
+    hq, head_dim = q.shape[1], q.shape[2]
+    status = lib.decode_attention(_DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), slot_index.data_ptr(), slot_index.shape[1], rows.data_ptr(),
+                                  starts.data_ptr(), ends.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+                                  row_spans.shape[1], hq, k_cache.shape[1], head_dim, scale, torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("tgi_vlm::decode_attention: no memory for a thread's scratch buffers")
+    if status != 0:  # the checks above are the library's: this is a bug, not bad input
+        raise RuntimeError(f"tgi_vlm::decode_attention refused dtype {q.dtype}, head_dim {head_dim}")
+
+
+@decode_attention.register_fake
+def _(q, out, k_cache, v_cache, slot_index, row_spans, scale) -> None:
+    return None
+
+
+def decode_attention_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes this process's decode attention computes (empty where it did not load)."""
+    kernels = library.loaded()
+    lib = kernels.avx512 if kernels is not None else None
+    return lib.attention_dtypes if lib is not None else frozenset()
+
+
+def can_decode_from(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention` runs here over this layer's flat caches `[slots, Hkv, D]` (the query must match)."""
+    return (k_cache.is_cpu and v_cache.is_cpu and k_cache.dtype in decode_attention_dtypes()
+            and _cache_problem(k_cache, v_cache) is None)
+
+
+def can_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None) -> bool:
+    """Whether `decode_attention` computes this layer's decode: not soft-capped (Gemma2), and the query `[T, Hq, D]`
+    fits the cache."""
+    q_shape, k_shape = q.shape, k_cache.shape
+    return (not softcap and q.is_cpu and len(q_shape) == 3 and len(k_shape) == 3 and q.dtype == k_cache.dtype
+            and q.stride(-1) == 1 and q_shape[2] == k_shape[2] and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0
+            and can_decode_from(k_cache, v_cache))
+
+
+# ----- rotary + K/V store -----
+
+def _rotary_problem(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> str | None:
+    dtype, shape, k_shape, c_shape = qkv.dtype, qkv.shape, k_cache.shape, cos.shape
+    if not (dtype in _DTYPE_CODES and qkv.is_cpu and len(shape) == 3 and shape[0] == 1 and qkv.stride(-1) == 1):
+        return f"the fused product must be [1, T, W] CPU float32 or bfloat16, last dim contiguous, got {tuple(shape)}"
+    if not (k_cache.is_cpu and v_cache.is_cpu and len(k_shape) == 3 and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and v_cache.shape == k_shape and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k_shape[2] > 0 and k_shape[2] % 2 == 0):
+        return (f"caches {tuple(k_shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype} must be "
+                f"[slots, Hkv, D] contiguous, D even, of the product's dtype {dtype}")
+    c_stride = cos.stride()
+    if not (cos.is_cpu and sin.is_cpu and cos.dtype == dtype and sin.dtype == dtype and len(c_shape) == 3
+            and sin.shape == c_shape and c_shape[0] == 1 and c_shape[1] == shape[1] and c_shape[2] == k_shape[2]
+            and sin.stride() == c_stride and c_stride[2] == 1):
+        return f"rotary tables {tuple(c_shape)} / {tuple(sin.shape)} are not [1, T, D] for {tuple(shape)}"
+    if q_heads < 1 or shape[2] != (q_heads + 2 * k_shape[1]) * k_shape[2]:
+        return (f"a fused product of width {shape[2]} does not hold {q_heads} + 2 x {k_shape[1]} heads of "
+                f"{k_shape[2]}")
+    return None
+
+
+@torch.library.custom_op("tgi_vlm::rotary_and_store", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+def rotary_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary of the query and key heads of a fused product `qkv` `[1, T, (Hq + 2 Hkv) D]` (`cos`/`sin`
+    `[1, T, D]`), bit-equal to `x * cos + rotate_half(x) * sin` in torch, and the store of the rotated keys and the
+    values (the product's last Hkv heads) at `slots` `[T]` of `k_cache`/`v_cache` `[slots, Hkv, D]`, in one pass.
+    Returns the rotated query `[T, Hq, D]` and key `[T, Hkv, D]` (new tensors)."""
+    _refuse("rotary_and_store", _rotary_problem(qkv, cos, sin, q_heads, k_cache, v_cache))
+    tokens = qkv.shape[1]
+    if slots.dtype != torch.long or slots.shape != (tokens,) or not slots.is_cpu:
+        raise ValueError(f"tgi_vlm::rotary_and_store: {tuple(slots.shape)} {slots.dtype} slots for {tokens} rows")
+    largest = slot_bound(slots, empty=-1)
+    if largest >= k_cache.shape[0]:
+        raise ValueError(f"tgi_vlm::rotary_and_store: a slot past the cache of {k_cache.shape[0]} slots, or negative "
+                         f"(largest: {largest})")
+    lib = _loaded("rotary_and_store")
+    slots = slots.contiguous()
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype)
+    k = torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype)
+    status = lib.rotary_kv(_DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(1), tokens, q_heads, kv_heads, head_dim,
+                           cos.data_ptr(), sin.data_ptr(), cos.stride(1), q.data_ptr(), k.data_ptr(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::rotary_and_store refused dtype {qkv.dtype}, head_dim {head_dim}")
+    return q, k
+
+
+@rotary_and_store.register_fake
+def _(qkv, cos, sin, q_heads, k_cache, v_cache, slots):
+    tokens, kv_heads, head_dim = qkv.shape[1], k_cache.shape[1], k_cache.shape[2]
+    return qkv.new_empty(tokens, q_heads, head_dim), qkv.new_empty(tokens, kv_heads, head_dim)
+
+
+def can_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> bool:
+    """Whether `rotary_and_store` takes this layer's fused product, rotary tables and flat caches (the slots are
+    checked by the op)."""
+    return _rotary_problem(qkv, cos, sin, q_heads, k_cache, v_cache) is None
+
+
+# ----- RMSNorm -----
+
+def _norm_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    shape, stride = x.shape, x.stride()
+    if not (x.is_cpu and weight.is_cpu and x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and len(shape) >= 2
+            and stride[-1] == 1 and weight.shape == shape[-1:] and weight.is_contiguous()
+            and all(stride[i] == stride[i + 1] * shape[i + 1] for i in range(len(shape) - 2))):
+        return (f"x {tuple(x.shape)} {x.dtype} must be CPU float32 or bfloat16 rows of H contiguous, as one strided "
+                f"run of rows, with a weight [H] of its dtype (got {tuple(weight.shape)} {weight.dtype})")
+    return None
+
+
+@torch.library.custom_op("tgi_vlm::rms_norm", mutates_args=(), device_types="cpu")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama-family RMSNorm of `x` `[..., H]` (a new contiguous tensor): the same steps except the sum
+    of squares (in double here), so outputs may differ from torch's in the last places (csrc/rms_norm.c;
+    tests/unit/test_cpu_decoder.py holds them within 4 ulps)."""
+    _refuse("rms_norm", _norm_problem(x, weight))
+    lib = _loaded("rms_norm")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    if rows:
+        status = lib.rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(-2), weight.data_ptr(), out.data_ptr(),
+                              hidden, rows, hidden, eps, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"tgi_vlm::rms_norm refused dtype {x.dtype}")
+    return out
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes `x` `[..., H]` and `weight`."""
+    return _norm_problem(x, weight) is None
+
+
+# ----- skinny linear -----
+
+def blocked_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[out, in]` in `skinny_linear`'s layout, `[ceil(out / 32) * 2, in, 16]`: blocks of 16 output
+    columns, each input-position-major; columns past `out` are zero. Contiguous and 64-byte aligned (the C loop's
+    aligned loads)."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // 32) * 32
+    blocked = torch.zeros(padded // 16, in_features, 16, dtype=torch.float32)
+    if blocked.data_ptr() % 64:  # torch's CPU allocator aligns to 64 bytes; anything else would fault in the C loop
+        raise RuntimeError("skinny_linear: the allocator returned memory not aligned to 64 bytes")
+    source = torch.zeros(padded, in_features, dtype=torch.float32)
+    source[:out_features] = weight
+    blocked.copy_(source.view(padded // 16, 16, in_features).transpose(1, 2))
+    return blocked
+
+
+def skinny_max_rows() -> int:
+    """The most rows `skinny_linear` takes in this process (0 where it did not load)."""
+    kernels = library.loaded()
+    return kernels.avx512.skinny_max_rows if kernels is not None and kernels.avx512 is not None else 0
+
+
+def _linear_problem(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                    ) -> str | None:
+    if not (_all_cpu(x, blocked, bias) and x.dim() == 2 and x.dtype == blocked.dtype == torch.float32
+            and x.is_contiguous() and blocked.is_contiguous() and x.shape[0] >= 1 and out_features >= 1
+            and blocked.dim() == 3
+            and blocked.shape[1:] == (x.shape[1], 16) and blocked.shape[0] == 2 * -(-out_features // 32)
+            and blocked.data_ptr() % 64 == 0
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (out_features,)
+                                  and bias.is_contiguous()))):
+        return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, weight {tuple(blocked.shape)} {blocked.dtype}, "
+                f"{out_features} outputs, bias {None if bias is None else tuple(bias.shape)})")
+    return None
+
+
+@torch.library.custom_op("tgi_vlm::skinny_linear", mutates_args=(), device_types="cpu")
+def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 `x` `[rows, in]` (1 <= rows <= `skinny_max_rows()`, contiguous) times a weight in `blocked_weight`'s
+    layout, plus `bias` `[out]`: `[rows, out]`. Sums in float32 in another order than MKL's (within float32
+    rounding: tests/unit/test_skinny_linear.py)."""
+    _refuse("skinny_linear", _linear_problem(x, blocked, out_features, bias))
+    lib = _loaded("skinny_linear")
+    rows, in_features = x.shape
+    if rows > lib.skinny_max_rows:
+        raise ValueError(f"tgi_vlm::skinny_linear: inconsistent inputs ({rows} rows, at most {lib.skinny_max_rows})")
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    status = lib.skinny_linear(x.data_ptr(), rows, in_features, blocked.data_ptr(), out_features,
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("tgi_vlm::skinny_linear: no memory for the transposed input")
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::skinny_linear refused {rows} rows of {in_features} -> {out_features}")
+    return out
+
+
+@skinny_linear.register_fake
+def _(x, blocked, out_features, bias):
+    return x.new_empty(x.shape[0], out_features)
