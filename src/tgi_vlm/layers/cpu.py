@@ -23,6 +23,7 @@ import os
 import torch
 from loguru import logger
 
+from tgi_vlm.config import KernelSettings
 from tgi_vlm.layers.linear.plan import LinearPlan, PlanOptions, plan_linears
 
 # glibc mallopt parameters (malloc.h)
@@ -93,31 +94,28 @@ def _usable_memory() -> int | None:
 
 
 def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module | None = None,
-                     sharded: bool = False, enabled: bool = True) -> LinearPlan:
+                     sharded: bool = False, kernels: KernelSettings | None = None) -> LinearPlan:
     """All of the above for a model about to serve on CPU, and its linear plan (layers/linear/plan.py: packed,
     fused kernels; logged); `language_model`'s Llama-family decoder layers also take the lean forward
-    (layers/cpu_decoder.py).
+    (layers/cpu_decoder.py), with the native kernels `kernels` switches on (None: the defaults).
 
-    A tensor-parallel model keeps plain `F.linear` products (its plan hooks the modules). `enabled` False
-    (TGI_VLM_CPU_SPEEDUPS=0, for benchmarks that measure what it buys): every layer `torch`, nothing else."""
-    if not enabled:
+    A tensor-parallel model keeps plain `F.linear` products (its plan hooks the modules). `kernels.cpu_speedups`
+    off (TGI_VLM_CPU_SPEEDUPS=0, for benchmarks that measure what it buys): every layer `torch`, nothing else."""
+    kernels = kernels or KernelSettings()
+    if not kernels.cpu_speedups:
         logger.info("TGI_VLM_CPU_SPEEDUPS=0: CPU speed-ups off")
         return plan_linears(model, PlanOptions(cpu=False), language_model=language_model)
     from tgi_vlm.layers.cpu_decoder import install_lean_layers
+    from tgi_vlm.layers.skinny_linear import skinny_available
 
     tune_allocator()
     size_kernel_cache()
-    options = PlanOptions(cpu=True, sharded=sharded, decode_copy=decode_copies_fit(model), skinny=skinny_available())
+    decode_copy = decode_copies_fit(model)
+    options = PlanOptions(cpu=True, sharded=sharded, decode_copy=decode_copy,
+                          skinny=decode_copy and not sharded and skinny_available(kernels))
     plan = plan_linears(model, options, language_model=language_model)
     # after fusing: a lean layer slices its fused products itself (layers/cpu_decoder.py)
-    lean = install_lean_layers(language_model) if plan.groups and language_model is not None else 0
+    lean = install_lean_layers(language_model, kernels) if plan.groups and language_model is not None else 0
     logger.info("CPU: {} patch-embedding convolution(s) run as matmuls; {} q/k/v or gate/up group(s) fused; {} "
                 "decoder layer(s) with the lean forward", len(plan.patch_convs), len(plan.groups), lean)
     return plan
-
-
-def skinny_available() -> bool:
-    """Whether float32 decode products may use the native skinny loop (the library loads, and it is switched on)."""
-    from tgi_vlm.layers import skinny_linear
-
-    return skinny_linear.skinny_available()

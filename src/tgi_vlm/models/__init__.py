@@ -9,7 +9,6 @@ here: the router's token counter imports this package's prompt side (`request_in
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +56,7 @@ def _plan_linears(engine, config: EngineConfig):
         from tgi_vlm.layers.cpu import speed_up_for_cpu
 
         return speed_up_for_cpu(engine.model, language_model=language_model, sharded=config.world_size > 1,
-                                enabled=os.environ.get("TGI_VLM_CPU_SPEEDUPS", "1") != "0")
+                                kernels=config.kernels)
     from tgi_vlm.layers.linear import PlanOptions, plan_linears
 
     return plan_linears(engine.model, PlanOptions(cpu=False), language_model=language_model)

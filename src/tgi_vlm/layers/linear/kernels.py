@@ -342,16 +342,16 @@ class MklSkinnyLinear(MklPackedLinear):
     name = "mkl-packed+native-skinny"
 
     def _pack(self, weight: torch.Tensor) -> None:
-        from tgi_vlm.layers.skinny_linear import skinny_weight
+        from tgi_vlm.kernels.cpu import ops
+        from tgi_vlm.layers.skinny_linear import SkinnyWeight
 
         super()._pack(weight)
-        self.skinny = skinny_weight(weight)
-        if self.skinny is None:  # the plan found the library loaded; it cannot be lost since (functools.cache)
-            logger.warning("native skinny linear planned but unavailable: {}x{} stays on MKL", *weight.shape)
+        # The plan chose this kernel where `skinny_available` held for the process's settings (the library loaded).
+        self.skinny = SkinnyWeight(weight, ops.skinny_max_rows())
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if self.skinny is not None and self.skinny.takes(rows):
+        if self.skinny.takes(rows):
             return self.skinny(x, self.bias)
         return super()._product(x)
 
