@@ -14,8 +14,8 @@ from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.media import MediaKind
 from tgi_vlm.models.architectures import adapter_for, supported_model_types
 from tgi_vlm.models.architectures.base import UnsupportedMediaKind, VlmPrompt
-from tgi_vlm.models.request_input import MediaChunk, request_chunks
 from tgi_vlm.models.media_spans import MediaSpan
+from tgi_vlm.models.request_input import MediaChunk, request_chunks
 from tgi_vlm.models.vlm_intake import prompt_spans
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.prefix_hash import MediaRef, chain_key, media_record, namespace_root
