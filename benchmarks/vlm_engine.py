@@ -47,6 +47,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from tgi_vlm.config import EngineConfig
+from tgi_vlm.media import MediaKind
 from tgi_vlm.models import get_model
 from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
@@ -201,7 +202,7 @@ class HFRunner:
 
     def inputs(self, jobs: list[Job]) -> dict:
         """The same prompt text and images the engine builds, through the same processor."""
-        texts = [self.prompt.build_prompt([c if isinstance(c, str) else None for c in j.chunks]) for j in jobs]
+        texts = [self.prompt.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in j.chunks]) for j in jobs]
         images = [Image.open(io.BytesIO(c)).convert("RGB") for j in jobs for c in j.chunks if isinstance(c, bytes)]
         return dict(self.processor(text=texts, images=images, return_tensors="pt", padding=True, padding_side="left"))
 
@@ -230,7 +231,7 @@ class HFRunner:
 def prompt_stats(engine, jobs: list[Job]) -> dict:
     prompts = [engine.tokenize_request(make_request(j.request_id, *j.chunks)) for j in jobs]
     lengths = [len(p.ids) for p in prompts]
-    image_tokens = [sum(s.length for s in p.images) for p in prompts]
+    image_tokens = [sum(s.length for s in p.media) for p in prompts]
     sizes = [s for j in jobs for s in j.image_sizes]
     return dict(
         requests=len(jobs),

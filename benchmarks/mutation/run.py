@@ -119,7 +119,7 @@ GROUPS: dict[str, dict] = {
         "scope": {
             # image decoding limits and conversion (not the test-image helpers)
             "src/tgi_vlm/images.py": ["decode_image", "to_rgb"],
-            "src/tgi_vlm/models/image_spans.py": ["*"],
+            "src/tgi_vlm/models/media_spans.py": ["*"],  # models/image_spans.py before the media rename
             "src/tgi_vlm/models/encoder_cache.py": ["*"],
             # masks: causal, sliding window, and bidirectional image blocks (Gemma3, PaliGemma)
             "src/tgi_vlm/layers/attention/metadata.py": ["*"],

@@ -32,6 +32,7 @@ def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concur
 
     from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
     from tgi_vlm.images import make_test_image, png_bytes
+    from tgi_vlm.media import MediaKind
     from tgi_vlm.router.tokens import TokenCounter
 
     counter = TokenCounter(model)
@@ -41,7 +42,7 @@ def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concur
     items = make_workload(spec, counter.tokenizer)
 
     def layout(chunks: list[str | bytes]) -> tuple[str, list[bytes]]:
-        prompt = counter.prompt.build_prompt([c if isinstance(c, str) else None for c in chunks])
+        prompt = counter.prompt.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in chunks])
         return prompt, [c for c in chunks if isinstance(c, bytes)]
 
     warm_images = [png_bytes(make_test_image(w, h, seed=WARMUP_IMAGE_SEED + k))

@@ -32,7 +32,7 @@ def vlm(request, ranks):
 
 def test_join_with_chunked_prefill_through_an_image_and_filter_match_one_shard_and_transformers(vlm):
     prompt = vlm.single.tokenize_request(make_request(2, *THIRD))
-    image = prompt.images[0]
+    image = prompt.media[0]
     sharded, single = vlm.run("join_and_filter", first=FIRST, second=SECOND, third=THIRD, budget=3)
     assert_ranks_agree_with_single(sharded, single)
     prefilled = sharded[0].facts["prefilled"]  # request 2's prompt positions computed after each step

@@ -90,7 +90,7 @@ def prompt_ids(counter: TokenCounter, chunks) -> list[int]:
 
 def keyed(counter: TokenCounter, params: RequestParams, router):
     prompt = counter.tokenize(build_request(0, params.chunks))
-    return prompt_blocks(prompt.ids, prompt.images, prompt.group_ids, router.allocator.block_size)
+    return prompt_blocks(prompt.ids, prompt.media, prompt.group_ids, router.allocator.block_size)
 
 
 def transformers_tokens(params: RequestParams) -> list[int]:
@@ -144,8 +144,8 @@ def test_the_same_text_with_another_image_is_not_offered_the_first_images_blocks
     other = RequestParams([SYSTEM, image(112, 112, 2), "What is this?"], max_new_tokens=6, ignore_eos=True)
     a = counter.tokenize(build_request(0, first.chunks))
     b = counter.tokenize(build_request(0, other.chunks))
-    assert a.ids == b.ids and a.images[0].digest != b.images[0].digest  # token ids alone cannot tell them apart
-    offset = b.images[0].offset
+    assert a.ids == b.ids and a.media[0].digest != b.media[0].digest  # token ids alone cannot tell them apart
+    offset = b.media[0].offset
 
     async def scenario(router, client):
         _, first_ids = await run(router, first)

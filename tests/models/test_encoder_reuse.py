@@ -17,7 +17,7 @@ def test_repeated_image_is_encoded_once_across_requests():
     engine = load_engine("qwen2_vl")
     encoded = []
     real_encode = engine.adapter.encode
-    engine.adapter.encode = lambda pixels: encoded.append(len(pixels)) or real_encode(pixels)
+    engine.adapter.encode = lambda kind, pixels: encoded.append(len(pixels)) or real_encode(kind, pixels)
     runner = Runner(engine)
     runner.prefill([make_request(0, *FIRST, max_new_tokens=4)])
     runner.run()
@@ -34,7 +34,7 @@ def test_disabled_shared_cache_still_encodes_an_image_once_per_step():
     engine = load_engine("qwen2_vl", encoder_cache_bytes=0)
     encoded = []
     real_encode = engine.adapter.encode
-    engine.adapter.encode = lambda pixels: encoded.append(len(pixels)) or real_encode(pixels)
+    engine.adapter.encode = lambda kind, pixels: encoded.append(len(pixels)) or real_encode(kind, pixels)
     runner = Runner(engine)
     runner.prefill([make_request(0, *FIRST, max_new_tokens=2), make_request(1, *SECOND, max_new_tokens=2)])
     runner.run()

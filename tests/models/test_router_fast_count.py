@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from tgi_vlm.media import MediaKind
 from tgi_vlm.router.tokens import CountError, TokenCounter
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
 from tgi_vlm.testing.harness import make_request
@@ -106,7 +107,7 @@ def test_processor_settings_are_read_or_the_processor_is_kept(tmp_path, name, fi
     for k, chunks in enumerate([("Describe ", image, " briefly."), (image,), ("two: ", image, image)]):
         request = make_request(k, *chunks)
         assert outcome(fast, request) == outcome(slow, request)
-    parts = ["Describe ", None, "."]
+    parts = ["Describe ", MediaKind.IMAGE, "."]
     from tgi_vlm.images import decode_image
 
     decoded = decode_image(image, fast.limits)

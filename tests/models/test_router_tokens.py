@@ -26,13 +26,13 @@ def counter(arch):
 
 def shard_view(engine, request):
     prompt = engine.tokenize_request(request)
-    refs = [(s.offset, s.length, s.content_hash) for s in prompt.images]
+    refs = [(s.offset, s.length, s.content_hash) for s in prompt.media]
     return prompt.ids, refs, prompt.mm.group_ids
 
 
 def router_view(counter, request):
     prompt = counter.tokenize(request)
-    return prompt.ids, [(r.offset, r.length, r.digest) for r in prompt.images], prompt.group_ids
+    return prompt.ids, [(r.offset, r.length, r.digest) for r in prompt.media], prompt.group_ids
 
 
 def test_the_counter_gives_the_shards_ids_image_spans_and_groups(engine, counter):
@@ -45,8 +45,8 @@ def test_the_counter_gives_the_shards_ids_image_spans_and_groups(engine, counter
 
 def test_after_truncation_dropping_the_first_image_the_spans_still_match(engine, counter):
     full = counter.tokenize(make_request(1, *CHUNKS))
-    keep = len(full.ids) - full.images[0].end  # cut right after the first image
+    keep = len(full.ids) - full.media[0].end  # cut right after the first image
     request = make_request(1, *CHUNKS, truncate=keep)
     ids, refs, groups = router_view(counter, request)
     assert (ids, refs, groups) == shard_view(engine, request)
-    assert ids == full.ids[-keep:] and len(refs) == 1 and refs[0][0] == full.images[1].offset - (len(full.ids) - keep)
+    assert ids == full.ids[-keep:] and len(refs) == 1 and refs[0][0] == full.media[1].offset - (len(full.ids) - keep)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import load_engine
-from tgi_vlm.models.vlm_intake import _per_image_inputs, process_prompt
+from tgi_vlm.media import MediaKind
+from tgi_vlm.models.vlm_intake import _per_item_inputs, process_prompt
 from tgi_vlm.testing import VLM_ARCHS, make_test_image
 from tgi_vlm.testing.harness import make_request
 
@@ -17,11 +18,11 @@ from tgi_vlm.testing.harness import make_request
 def test_one_image_s_inputs_from_the_whole_prompt_equal_the_image_alone(arch):
     prompt = load_engine(arch).adapter.prompt
     image = make_test_image(61, 45, seed=11)
-    parts = ["Describe ", None, " in detail, please."]
+    parts = ["Describe ", MediaKind.IMAGE, " in detail, please."]
     request = make_request(0, "x")
     processed = process_prompt(prompt, request, parts, [image])
-    [(ours, count)] = _per_image_inputs(prompt, processed, parts, [image])
-    alone, alone_count = prompt.image_inputs(image)
+    [(ours, count)] = _per_item_inputs(prompt, processed, parts, [image])
+    alone, alone_count = prompt.media_inputs(MediaKind.IMAGE, image)
     assert count == alone_count > 0
     assert sorted(ours) == sorted(alone)
     for key, value in alone.items():
@@ -32,12 +33,12 @@ def test_the_image_goes_through_the_processor_again_only_when_the_text_spells_th
     prompt = load_engine("qwen2_vl").adapter.prompt
     image = make_test_image(40, 28, seed=1)
     calls = []
-    real = prompt.image_inputs
-    monkeypatch.setattr(prompt, "image_inputs", lambda img: calls.append(img) or real(img))
-    plain = ["plain ", None]
-    _per_image_inputs(prompt, process_prompt(prompt, make_request(0, "x"), plain, [image]), plain, [image])
+    real = prompt.media_inputs
+    monkeypatch.setattr(prompt, "media_inputs", lambda kind, img: calls.append(img) or real(kind, img))
+    plain = ["plain ", MediaKind.IMAGE]
+    _per_item_inputs(prompt, process_prompt(prompt, make_request(0, "x"), plain, [image]), plain, [image])
     assert calls == []
-    token = prompt.tokenizer.convert_ids_to_tokens(prompt.image_token_id)
-    spelled = ["say " + token, None]
-    _per_image_inputs(prompt, {"input_ids": torch.tensor([[prompt.image_token_id] * 9])}, spelled, [image])
+    token = prompt.tokenizer.convert_ids_to_tokens(prompt.media_token_id(MediaKind.IMAGE))
+    spelled = ["say " + token, MediaKind.IMAGE]
+    _per_item_inputs(prompt, {"input_ids": torch.tensor([[prompt.media_token_id(MediaKind.IMAGE)] * 9])}, spelled, [image])
     assert calls == [image]

@@ -11,6 +11,7 @@ from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.layers.linear.kernels import mkl_packs_float32
+from tgi_vlm.media import MediaKind
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.warmup import warmup_request
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
@@ -103,7 +104,7 @@ def test_bad_image_is_refused_naming_the_request_and_the_batch_goes_on(engine, a
 
 def test_truncate_cutting_an_image_is_refused(engine):
     prompt = engine.tokenize_request(make_request(0, *GOOD))
-    span = prompt.images[0]
+    span = prompt.media[0]
     cut_inside = len(prompt.ids) - (span.offset + 1)  # keeps all but the image's first token
     with pytest.raises(InvalidBatch) as info:
         engine.batch_from_pb(make_batch(1, [make_request(3, *GOOD, truncate=cut_inside)]))
@@ -113,18 +114,18 @@ def test_truncate_cutting_an_image_is_refused(engine):
 
 def test_truncate_before_the_image_keeps_it(engine):
     prompt = engine.tokenize_request(make_request(0, *GOOD))
-    keep = len(prompt.ids) - prompt.images[0].offset
+    keep = len(prompt.ids) - prompt.media[0].offset
     truncated = engine.tokenize_request(make_request(0, *GOOD, truncate=keep))
     assert truncated.ids == prompt.ids[-keep:]
-    assert truncated.images[0].offset == 0
+    assert truncated.media[0].offset == 0
 
 
 def test_truncate_after_the_image_drops_it(engine):
     prompt = engine.tokenize_request(make_request(0, *GOOD))
-    keep = len(prompt.ids) - prompt.images[0].end  # the cut falls right after the image's last token
+    keep = len(prompt.ids) - prompt.media[0].end  # the cut falls right after the image's last token
     truncated = engine.tokenize_request(make_request(0, *GOOD, truncate=keep))
     assert truncated.ids == prompt.ids[-keep:]
-    assert truncated.images == []
+    assert truncated.media == []
 
 
 def test_too_many_images_are_refused(arch):
@@ -157,7 +158,7 @@ def test_add_special_tokens_false_is_passed_to_the_processor(engine, arch):
     from PIL import Image
 
     image = Image.open(io.BytesIO(IMG)).convert("RGB")
-    prompt = engine.adapter.prompt.build_prompt([chunks[0], None, chunks[2]])
+    prompt = engine.adapter.prompt.build_prompt([chunks[0], MediaKind.IMAGE, chunks[2]])
     expected = engine.adapter.prompt.process(prompt, [image], add_special_tokens=False)["input_ids"][0].tolist()
     assert ours == expected
     if arch != "paligemma" and engine.tokenizer.bos_token_id is not None:

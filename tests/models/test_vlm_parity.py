@@ -11,6 +11,7 @@ from PIL import Image
 
 from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference, reference_model
+from tgi_vlm.media import MediaKind
 from tgi_vlm.testing import VLM_ARCHS, make_test_image, png_bytes
 from tgi_vlm.testing.harness import make_request
 
@@ -61,7 +62,7 @@ def test_chunk_boundary_exactly_at_span_edges(engine, runner, arch):
     """First chunk ends at the image span's start, the next exactly at its end (a Gemma3 image block
     too: a chunk ending where the block starts is not extended)."""
     prompt = engine.tokenize_request(make_request(0, *ONE_IMAGE))
-    span = prompt.images[0]
+    span = prompt.media[0]
     engine.prefill_budget = span.length
     runner.prefill([make_request(0, *ONE_IMAGE, max_new_tokens=4, chunk_len=span.offset)])
     seq = runner.batch.seqs[0]
@@ -87,7 +88,7 @@ def test_request_joins_mid_decode(runner, arch):
 
 def test_filter_removes_request_with_half_prefilled_image(engine, runner, arch):
     prompt = engine.tokenize_request(make_request(1, *ONE_IMAGE))
-    span = prompt.images[0]
+    span = prompt.media[0]
     half = span.offset + max(1, span.length // 2)
     engine.prefill_budget = 2
     runner.prefill([make_request(0, *TWO_IMAGES, max_new_tokens=6), make_request(1, *ONE_IMAGE, max_new_tokens=6, chunk_len=half)])
@@ -110,19 +111,19 @@ def test_filter_removes_request_with_half_prefilled_image(engine, runner, arch):
 def test_placeholder_tokens_per_image_equal_the_processors(engine, arch):
     prompt = engine.tokenize_request(make_request(0, *TWO_IMAGES))
     _, _, adapter = reference_model(arch)
-    text = adapter.build_prompt([c if isinstance(c, str) else None for c in TWO_IMAGES])
+    text = adapter.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in TWO_IMAGES])
     images = [Image.open(io.BytesIO(c)).convert("RGB") for c in TWO_IMAGES if isinstance(c, bytes)]
     ids = adapter.process(text, images)["input_ids"][0].tolist()
     assert prompt.ids == ids
-    assert sum(s.num_embed for s in prompt.images) == ids.count(adapter.image_token_id)
+    assert sum(s.num_embed for s in prompt.media) == ids.count(adapter.media_token_id(MediaKind.IMAGE))
 
 
 def test_images_encoded_together_equal_images_encoded_alone(engine):
     """Same-shaped images share one vision call; the split must give each image its own rows."""
     prompt = engine.tokenize_request(make_request(0, "a ", IMG_A, " b ", IMG_B, " c ", IMG_C, IMG_A))
-    pixels = [s.pixel_inputs for s in prompt.images]
-    together = engine.adapter.encode(pixels)
-    alone = [engine.adapter.encode([p])[0] for p in pixels]
-    for span, t, a in zip(prompt.images, together, alone):
+    pixels = [s.pixel_inputs for s in prompt.media]
+    together = engine.adapter.encode(MediaKind.IMAGE, pixels)
+    alone = [engine.adapter.encode(MediaKind.IMAGE, [p])[0] for p in pixels]
+    for span, t, a in zip(prompt.media, together, alone):
         assert t.shape == a.shape == (span.num_embed, t.shape[-1])
         assert (t - a).abs().max().item() < 1e-4

@@ -32,7 +32,7 @@ def arch(request):
 def encodes(engine, monkeypatch):
     calls: list[int] = []
     real = engine.adapter.encode
-    monkeypatch.setattr(engine.adapter, "encode", lambda pixels: calls.append(len(pixels)) or real(pixels))
+    monkeypatch.setattr(engine.adapter, "encode", lambda kind, pixels: calls.append(len(pixels)) or real(kind, pixels))
     return calls
 
 
@@ -78,7 +78,7 @@ def test_a_second_turn_reuses_the_first_turns_blocks_and_gives_transformers_toke
         assert k == 0
         return
     assert k >= 1
-    span = engine.tokenize_request(routed_request_stub(TURN2)).images[0]
+    span = engine.tokenize_request(routed_request_stub(TURN2)).media[0]
     encodes.clear()
     computed.clear()
     engine.encoder_cache.clear_shared()  # so that only the prefix can spare the vision tower
@@ -97,7 +97,7 @@ def test_the_same_token_ids_with_a_different_image_never_reuse_the_first_images_
         k, reason = common_blocks(routed.prompt_ids(TURN1), routed.prompt_ids(twin), BS), "bidirectional"
     else:  # a boundary outside any bidirectional block, after the image: only the image's content tells them apart
         k, reason = usable_blocks(engine, routed, TURN1, twin), "holds other content"
-        assert engine.tokenize_request(routed_request_stub(twin)).images[0].end <= k * BS
+        assert engine.tokenize_request(routed_request_stub(twin)).media[0].end <= k * BS
     cache_len = min(k * BS, len(routed.prompt_ids(twin)) - 1)  # whole prompt found: TGI sends input_length - 1
     message = refusal(engine, routed.request(2, twin, 4, prefix_blocks=blocks[:k], cache_len=cache_len))
     assert "request 2" in message and reason in message, message
@@ -110,7 +110,7 @@ def test_a_prefix_may_end_inside_an_image_span_unless_the_image_attends_both_way
                                                                                  computed):
     for pad in range(BS):
         head = ("a " * pad + "Look ", IMG, " and describe it.")
-        span = engine.tokenize_request(routed_request_stub(head)).images[0]
+        span = engine.tokenize_request(routed_request_stub(head)).media[0]
         cut = (span.offset // BS + 1) * BS
         if span.offset < cut < span.end:
             break

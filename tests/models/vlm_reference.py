@@ -10,6 +10,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tests.models.reference import Reference, hf_greedy
+from tgi_vlm.media import MediaKind
 from tgi_vlm.models.architectures import prompt_for
 from tgi_vlm.models.architectures.llama4 import enable_transformers_generate
 from tgi_vlm.testing import tiny_model_path
@@ -28,7 +29,7 @@ def hf_inputs(arch: str, chunks: tuple, dtype: torch.dtype = torch.float32) -> d
     """The processor's tensors for a request given as text (str) / image (bytes) chunks; floating ones
     (pixel values) in `dtype`, as the engine hands them to the vision tower."""
     model, processor, adapter = reference_model(arch, dtype)
-    parts = [c if isinstance(c, str) else None for c in chunks]
+    parts = [c if isinstance(c, str) else MediaKind.IMAGE for c in chunks]
     images = [Image.open(io.BytesIO(c)).convert("RGB") for c in chunks if isinstance(c, bytes)]
     text = adapter.build_prompt(parts)
     inputs = dict(adapter.process(text, images))

@@ -9,6 +9,7 @@ from PIL import Image, ImageFile
 
 from tgi_vlm.config import InputLimits
 from tgi_vlm.images import ImageError, decode_image
+from tgi_vlm.media import MediaKind
 from tgi_vlm.models.vlm_intake import prompt_parts
 from tgi_vlm.testing.harness import make_request
 
@@ -48,7 +49,7 @@ def test_the_format_is_sniffed_and_the_mimetype_label_ignored(fmt, label):
     request = make_request(1, "see ", data, mimetype=label)
     assert request.input_chunks.chunks[1].image.mimetype == label
     parts, images, _ = prompt_parts(request, LIMITS)
-    assert parts == ["see ", None] and images[0].size == (20, 12)
+    assert parts == ["see ", MediaKind.IMAGE] and images[0].size == (20, 12)
 
 
 @pytest.mark.parametrize(

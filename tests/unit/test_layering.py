@@ -40,6 +40,7 @@ FORBIDDEN = {
     "benchmarking": (SERVER, TESTING, LAYERS, GENERATION),
     "images.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH),
     "blocks.py": ("tgi_vlm.",),
+    "media.py": ("tgi_vlm.",),
     # The native kernels are the bottom floor: layers import them, never the reverse.
     "kernels": ("tgi_vlm.models", "tgi_vlm.layers", "tgi_vlm.generation", "tgi_vlm.server", "tgi_vlm.router",
                 "tgi_vlm.testing", "tgi_vlm.api"),
@@ -95,9 +96,9 @@ def test_of_the_benchmarks_only_the_references_import_models():
 
 # ----- what importing a part loads -----------------------------------------------------------------
 
-# The prompt side of models/: a request's chunks, the VLM intake functions, image spans and the adapters
+# The prompt side of models/: a request's chunks, the VLM intake functions, media spans and the adapters
 # (their modules; the router builds only prompt halves). The package itself loads nothing of the engine.
-PROMPT_SIDE = (MODELS, "tgi_vlm.models.request_input", "tgi_vlm.models.vlm_intake", "tgi_vlm.models.image_spans",
+PROMPT_SIDE = (MODELS, "tgi_vlm.models.request_input", "tgi_vlm.models.vlm_intake", "tgi_vlm.models.media_spans",
                "tgi_vlm.models.architectures")
 ENGINE = (LAYERS, GENERATION)
 
@@ -111,6 +112,7 @@ LOADS_NONE_OF = {
     "benchmarking": (*ENGINE, SERVER, TESTING, API),
     "images.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH, *ENGINE),
     "blocks.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH, *ENGINE),
+    "media.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH, *ENGINE),
 }
 # Parts that may load models/ only on its prompt side.
 PROMPT_SIDE_ONLY = ("router", "api", "testing", "benchmarking")

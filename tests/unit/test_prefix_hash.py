@@ -7,7 +7,8 @@ import hashlib
 
 import pytest
 
-from tgi_vlm.prefix_hash import KEY_VERSION, ImageRef, block_keys, namespace_root
+from tgi_vlm.media import MediaKind
+from tgi_vlm.prefix_hash import KEY_VERSION, MediaRef, block_keys, namespace_root
 from tgi_vlm.router.prefix_cache import PrefixCache, prompt_blocks
 from tgi_vlm.router.requests import RequestParams, build_request
 from tgi_vlm.router.router import cacheable_prompt
@@ -52,7 +53,7 @@ def test_a_block_key_depends_on_every_block_before_it():
 
 
 def test_an_image_changes_the_key_of_its_blocks_and_every_later_one():
-    cat, dog = [ImageRef(5, 2, "cat")], [ImageRef(5, 2, "dog")]
+    cat, dog = [MediaRef(MediaKind.IMAGE, 5, 2, "cat")], [MediaRef(MediaKind.IMAGE, 5, 2, "dog")]
     with_cat = block_keys(PROMPT, cat, BS, root=namespace_root())
     with_dog = block_keys(PROMPT, dog, BS, root=namespace_root())
     assert with_cat[0] == with_dog[0] and with_cat[1] != with_dog[1] and with_cat[2] != with_dog[2]

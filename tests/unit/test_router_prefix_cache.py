@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tgi_vlm.prefix_hash import ImageRef
+from tgi_vlm.media import MediaKind
+from tgi_vlm.prefix_hash import MediaRef
 from tgi_vlm.router.prefix_cache import PrefixCache, PrefixStats, outside_groups, prompt_blocks
 from tgi_vlm.router.queue import Entry, Queue
 from tgi_vlm.router.requests import RequestParams
@@ -20,13 +21,13 @@ def ids(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
 
 
-def keyed(tokens: list[int], images=(), groups=None):
-    return prompt_blocks(tokens, list(images), groups, BS)
+def keyed(tokens: list[int], media=(), groups=None):
+    return prompt_blocks(tokens, list(media), groups, BS)
 
 
-def served(cache: PrefixCache, tokens: list[int], new: int = 3, images=()):
+def served(cache: PrefixCache, tokens: list[int], new: int = 3, media=()):
     """A request that ran to its first token and finished: its prompt blocks are now cached."""
-    allocation = cache.allocate(len(tokens) + new - 1, keyed(tokens, images))
+    allocation = cache.allocate(len(tokens) + new - 1, keyed(tokens, media))
     cache.cache_prompt(allocation)
     cache.free(allocation)
     return allocation
@@ -62,10 +63,10 @@ def test_the_whole_prompt_found_gives_cache_len_prompt_length_minus_one():
 def test_same_ids_with_a_different_image_stop_before_the_first_block_holding_the_image():
     cache = PrefixCache(num_blocks=32, block_size=BS)
     tokens = ids(16)  # image tokens at 6..9: blocks 1 and 2 overlap it
-    served(cache, tokens, images=[ImageRef(6, 4, "aa" * 32)])
-    assert cache.cache_len(keyed(tokens + [7], [ImageRef(6, 4, "aa" * 32)])) == 16
-    assert cache.cache_len(keyed(tokens + [7], [ImageRef(6, 4, "bb" * 32)])) == 4
-    assert cache.cache_len(keyed(tokens + [7], [ImageRef(5, 4, "aa" * 32)])) == 4  # same image, other place
+    served(cache, tokens, media=[MediaRef(MediaKind.IMAGE, 6, 4, "aa" * 32)])
+    assert cache.cache_len(keyed(tokens + [7], [MediaRef(MediaKind.IMAGE, 6, 4, "aa" * 32)])) == 16
+    assert cache.cache_len(keyed(tokens + [7], [MediaRef(MediaKind.IMAGE, 6, 4, "bb" * 32)])) == 4
+    assert cache.cache_len(keyed(tokens + [7], [MediaRef(MediaKind.IMAGE, 5, 4, "aa" * 32)])) == 4  # same image, other place
 
 
 def test_a_cached_prefix_never_ends_inside_a_bidirectional_group():

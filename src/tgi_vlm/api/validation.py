@@ -40,7 +40,7 @@ class ValidRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool
-    prompt: PromptTokens | None = None  # ids + image spans when the router's prefix cache needs them (counted once)
+    prompt: PromptTokens | None = None  # ids + media spans when the router's prefix cache needs them (counted once)
 
 
 class Validator:

@@ -14,7 +14,7 @@ from pathlib import Path
 # Frames that name where a shard spends its time, outermost first wins the sample.
 PROFILE_BUCKETS = [
     ("vision tower", ("get_image_features", "encode (")),
-    ("processor / tokenize", ("tokenize_request", "image_inputs", "process (")),
+    ("processor / tokenize", ("tokenize_request", "media_inputs", "process (")),
     ("language model forward", ("language_model", "forward (tgi_vlm/models/flash_causal_lm.py")),
     ("attention (paged torch)", ("torch_paged_attention",)),
     ("sampling / logits", ("sample (", "choose_tokens", "compute_logits")),

@@ -1,19 +1,21 @@
-"""Vision-encoder outputs kept between steps.
+"""Encoder outputs (vision features of media items) kept between steps.
 
 Two stores with different owners:
-- per-request entries (`put`/`get`/`pop`), keyed by an id given to each image span. The engine
-  puts an entry the first step an image's span overlaps the step's token window and pops it after
+- per-request entries (`put`/`get`/`pop`), keyed by an id given to each media span. The engine
+  puts an entry the first step an item's span overlaps the step's token window and pops it after
   the step that computes the span's last token; filtering or releasing a sequence pops its
   entries. So a finished scenario leaves `num_entries == 0`.
-- a cross-request LRU keyed by the image bytes' content hash and bounded in bytes, which lets a
-  repeated image skip the vision tower (TGI recomputes it). Entries there are copies' references,
-  evicted oldest-first when over budget; 0 bytes disables it.
+- a cross-request LRU keyed by content (the engine uses `MediaSpan.feature_key`: the item's kind and
+  the sha256 of its bytes) and bounded in bytes, which lets a repeated image skip the vision tower
+  (TGI recomputes it). Entries there are copies' references, evicted oldest-first when over budget;
+  0 bytes disables it.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import torch
 
@@ -22,7 +24,7 @@ class EncoderCache:
     def __init__(self, shared_bytes: int = 256 << 20):
         self._entries: dict[int, torch.Tensor] = {}
         self._keys = itertools.count()
-        self._shared: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._shared: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
         self._shared_bytes = 0
         self.shared_capacity = shared_bytes
         self.hits = 0
@@ -48,23 +50,23 @@ class EncoderCache:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    # ----- cross-request LRU by content hash -----
-    def lookup(self, content_hash: str) -> torch.Tensor | None:
-        features = self._shared.get(content_hash)
+    # ----- cross-request LRU by content -----
+    def lookup(self, content_key: Hashable) -> torch.Tensor | None:
+        features = self._shared.get(content_key)
         if features is None:
             self.misses += 1
             return None
-        self._shared.move_to_end(content_hash)
+        self._shared.move_to_end(content_key)
         self.hits += 1
         return features
 
-    def remember(self, content_hash: str, features: torch.Tensor) -> None:
+    def remember(self, content_key: Hashable, features: torch.Tensor) -> None:
         size = features.numel() * features.element_size()
-        if size > self.shared_capacity or content_hash in self._shared:
+        if size > self.shared_capacity or content_key in self._shared:
             return  # disabled (capacity 0), too large, or already kept: no copy made
         if features.untyped_storage().nbytes() > size:
-            features = features.clone()  # a view (e.g. one image of a batched vision call) would pin the whole batch
-        self._shared[content_hash] = features
+            features = features.clone()  # a view (e.g. one item of a batched encoder call) would pin the whole batch
+        self._shared[content_key] = features
         self._shared_bytes += size
         while self._shared_bytes > self.shared_capacity:
             _, evicted = self._shared.popitem(last=False)

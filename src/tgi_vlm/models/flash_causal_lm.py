@@ -271,7 +271,8 @@ class FlashCausalLM(ShardModel):
                 parts.append(chunk)
             elif not warmup:
                 # TGI's router adds an image to every warmup, even for text-only models; elsewhere it is an error.
-                raise InvalidRequest(request.id, f"model {self.model_id or 'loaded'} is text-only and cannot take image inputs")
+                raise InvalidRequest(request.id, f"model {self.model_id or 'loaded'} is text-only and cannot take "
+                                                 f"{chunk.kind.value} inputs")
         ids = self.tokenizer("".join(parts), add_special_tokens=request.add_special_tokens)["input_ids"]
         return TokenizedPrompt(ids=intake.truncate_ids(ids, request.truncate))
 

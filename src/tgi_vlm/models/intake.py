@@ -32,7 +32,6 @@ from tgi_vlm.generation import (
 from tgi_vlm.models.request_input import request_chunks, truncate_ids  # noqa: F401 - the engine's names
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.pb import generate_pb2
-from tgi_vlm.prefix_hash import ImageRef
 
 if TYPE_CHECKING:
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
@@ -44,8 +43,8 @@ class TokenizedPrompt:
     mm: MultimodalState | None = None  # VLMs: spans, adapter state, groups (host tensors)
 
     @property
-    def images(self) -> list:
-        return self.mm.images if self.mm is not None else []
+    def media(self) -> list:
+        return self.mm.media if self.mm is not None else []
 
 
 def start_grammars(model: FlashCausalLM, requests) -> None:
@@ -162,7 +161,7 @@ def check_cached_prefix(model: FlashCausalLM, request: generate_pb2.Request, pro
         # Earlier tokens of a bidirectional block attended to its later ones when they were cached.
         raise InvalidRequest(request.id, f"cache_len={cache_len} ends inside a bidirectional attention block "
                                          "(an image or the prefix); the prefix must end at its boundary")
-    refs = [ImageRef(s.offset, s.length, s.content_hash) for s in prompt.images]
+    refs = [s.ref for s in prompt.media]
     return model.block_records.verify_claim(request.id, prompt.ids, refs, slots, cache_len,
                                             adapter_id=request.adapter_id)
 

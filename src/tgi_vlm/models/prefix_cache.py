@@ -2,7 +2,7 @@
 
 TGI's router (text models) and our driver (any model) send `cache_len` with blocks whose first
 positions they believe hold this prompt's prefix already. The shard keeps, per block it wrote, the
-content key of the full block (`tgi_vlm.prefix_hash.block_keys`: chained token ids + image hashes
+content key of the full block (`tgi_vlm.prefix_hash.block_keys`: chained token ids + media hashes
 and offsets, from the namespace of the request's adapter). A claim is accepted only when every block holding a position < cache_len is a full
 block of this prompt, mapped slot for slot, whose record equals the prompt's key. Keys chain from
 `namespace_root(adapter_id)`, the request's own `adapter_id` (the driver keys its cache the same way),
@@ -15,7 +15,7 @@ stale record) and written after the step that completes a block. They live as lo
 from __future__ import annotations
 
 from tgi_vlm.errors import InvalidRequest
-from tgi_vlm.prefix_hash import ImageRef, block_keys, chain_key, namespace_root
+from tgi_vlm.prefix_hash import MediaRef, block_keys, chain_key, namespace_root
 
 
 class BlockRecords:
@@ -47,7 +47,7 @@ class BlockRecords:
                 seq.block_keys.append(next_block_key(seq, j, bs))
                 self._keys[seq.slot_list[j * bs] // bs] = seq.block_keys[j]
 
-    def verify_claim(self, request_id: int, ids: list[int], images: list[ImageRef], slots: list[int],
+    def verify_claim(self, request_id: int, ids: list[int], media: list[MediaRef], slots: list[int],
                      cache_len: int, *, adapter_id: str) -> list[bytes]:
         """Raise InvalidRequest unless the first `cache_len` positions are in recorded blocks with this
         prompt's content under `adapter_id`; return the keys of the blocks fully inside the prefix."""
@@ -56,7 +56,7 @@ class BlockRecords:
         if claimed * bs > len(ids):
             raise InvalidRequest(request_id, f"cache_len={cache_len} ends in a partial block of a {len(ids)}-token "
                                              f"prompt (block size {bs}); only whole prompt blocks are shared")
-        keys = block_keys(ids, images, bs, limit=claimed * bs, root=namespace_root(adapter_id))
+        keys = block_keys(ids, media, bs, limit=claimed * bs, root=namespace_root(adapter_id))
         for j, key in enumerate(keys):
             block = slots[j * bs] // bs
             if slots[j * bs : (j + 1) * bs] != list(range(block * bs, (block + 1) * bs)):
@@ -73,4 +73,4 @@ def next_block_key(seq, j: int, block_size: int) -> bytes:
     """Key of block j of `seq` (prompt or generated tokens), chained on `seq.block_keys[j - 1]`
     (block 0 on the namespace of the sequence's adapter)."""
     parent = seq.block_keys[j - 1] if j else namespace_root(seq.adapter_id)
-    return chain_key(parent, seq.all_ids, seq.image_refs, j * block_size, (j + 1) * block_size)
+    return chain_key(parent, seq.all_ids, seq.media_refs, j * block_size, (j + 1) * block_size)

@@ -32,31 +32,31 @@ from tgi_vlm.generation import (
     StoppingCriteria,
     TokenChooser,
 )
-from tgi_vlm.models.image_spans import ImageSpan
-from tgi_vlm.prefix_hash import ImageRef
+from tgi_vlm.models.media_spans import MediaSpan
+from tgi_vlm.prefix_hash import MediaRef
 
 MAX_DRAFT_SKIP = 64
 
 
 @dataclass
 class MultimodalState:
-    """A VLM sequence's image-side state (text-only models leave `Sequence.mm` as None).
+    """A VLM sequence's media-side state (text-only models leave `Sequence.mm` as None).
 
-    images: spans in prompt order, each with its own encoder-cache key (assigned at intake).
+    media: spans (images) in prompt order, each with its own encoder-cache key (assigned at intake).
     adapter_state: whatever the architecture's adapter keeps per sequence (Qwen2-VL: MropePositions).
     bidirectional_groups: `[prompt_len]` long on the model's device, for attention masks: positions
     sharing a group id >= 0 attend both ways (Gemma3 image blocks, PaliGemma's prefix); -1 causal.
     group_ids: the same on the host, for scheduling without device reads.
     """
 
-    images: list[ImageSpan] = field(default_factory=list)
+    media: list[MediaSpan] = field(default_factory=list)
     adapter_state: object | None = None
     bidirectional_groups: torch.Tensor | None = None
     group_ids: list[int] | None = None
 
-    def images_pending(self, num_computed: int) -> bool:
-        """Some image token is not yet in the KV cache."""
-        return bool(self.images) and num_computed < self.images[-1].end
+    def media_pending(self, num_computed: int) -> bool:
+        """Some media token is not yet in the KV cache."""
+        return bool(self.media) and num_computed < self.media[-1].end
 
     def extend_to_group_end(self, end: int, prompt_len: int) -> int:
         """`end`, moved forward so that it does not fall inside a bidirectional group."""
@@ -148,16 +148,16 @@ class Sequence:
         return ids
 
     @property
-    def images(self) -> list[ImageSpan]:
-        return self.mm.images if self.mm is not None else []
+    def media(self) -> list[MediaSpan]:
+        return self.mm.media if self.mm is not None else []
 
     @property
-    def image_refs(self) -> list[ImageRef]:
-        return [ImageRef(s.offset, s.length, s.content_hash) for s in self.images]
+    def media_refs(self) -> list[MediaRef]:
+        return [s.ref for s in self.media]
 
     @property
-    def images_pending(self) -> bool:
-        return self.mm is not None and self.mm.images_pending(self.num_computed)
+    def media_pending(self) -> bool:
+        return self.mm is not None and self.mm.media_pending(self.num_computed)
 
     def align_chunk(self, n: int) -> int:
         """A prefill chunk of n tokens, extended so it never ends inside a bidirectional block

@@ -1,7 +1,7 @@
-"""VlmCausalLMBatch and VlmCausalLM: the image path on top of the flash engine.
+"""VlmCausalLMBatch and VlmCausalLM: the media path (images) on top of the flash engine.
 
-Per step (see DESIGN.md): find the image spans overlapping each sequence's token window, encode
-the images not yet in the encoder cache (one batched vision call), scatter exactly the
+Per step (see DESIGN.md): find the media spans overlapping each sequence's token window, encode
+the items not yet in the encoder cache (one batched encoder call per kind), scatter exactly the
 `[start, end)` slice of each span's embedding rows into `inputs_embeds`, run the language model,
 then drop encoder entries whose span is fully prefilled. Everything architecture-specific is
 asked of `self.adapter`.
@@ -16,17 +16,17 @@ from tgi_vlm.config import EngineConfig
 from tgi_vlm.models.architectures import adapter_for
 from tgi_vlm.models.encoder_cache import EncoderCache
 from tgi_vlm.models.flash_causal_lm import FlashCausalLM, FlashCausalLMBatch
-from tgi_vlm.models.image_spans import ImageSpan, spans_overlapping
 from tgi_vlm.models.intake import TokenizedPrompt
+from tgi_vlm.models.media_spans import MediaSpan, spans_overlapping
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.models.step import StepInputs
 from tgi_vlm.models.tensor_parallel import ShardLayout, keep_own_kv_head, load_kwargs
-from tgi_vlm.models.vlm_intake import ImageCutInWarmup, prompt_parts, tokenize_images
+from tgi_vlm.models.vlm_intake import MediaCutInWarmup, prompt_parts, tokenize_media
 from tgi_vlm.pb import generate_pb2
 
 
 class VlmCausalLMBatch(FlashCausalLMBatch):
-    """Same contract as the flash batch; image state lives in each sequence's `mm` and is freed with it."""
+    """Same contract as the flash batch; media state lives in each sequence's `mm` and is freed with it."""
 
 
 class VlmCausalLM(FlashCausalLM):
@@ -56,22 +56,22 @@ class VlmCausalLM(FlashCausalLM):
         # TGI's router keys its radix tree on token ids only, and every image expands to the same
         # placeholder ids: two requests with different images would be offered each other's blocks.
         # So, as TGI, never for VLMs; the shard still accepts (verified) cache_len from our
-        # image-aware driver, which does not need Info's permission.
+        # media-aware driver, which does not need Info's permission.
         return False
 
     # ----- requests (vlm_intake.py) -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
-        parts, images, digests = prompt_parts(request, self.config.limits)
+        parts, items, digests = prompt_parts(request, self.config.limits)
         try:
-            ids, processed, spans = tokenize_images(self.adapter.prompt, request, parts, images, digests, warmup=warmup)
-        except ImageCutInWarmup as cut:
-            # The router sizes warmup from its own limits; an image its truncation cuts is left out.
-            logger.warning("warmup request {}: {}; warming up without images", request.id, cut)
-            text_only = [p for p in parts if p is not None]
-            ids, processed, spans = tokenize_images(self.adapter.prompt, request, text_only, [], [], warmup=warmup)
+            ids, processed, spans = tokenize_media(self.adapter.prompt, request, parts, items, digests, warmup=warmup)
+        except MediaCutInWarmup as cut:
+            # The router sizes warmup from its own limits; an item its truncation cuts is left out.
+            logger.warning("warmup request {}: {}; warming up without media", request.id, cut)
+            text_only = [p for p in parts if isinstance(p, str)]
+            ids, processed, spans = tokenize_media(self.adapter.prompt, request, text_only, [], [], warmup=warmup)
         groups = self.adapter.bidirectional_groups(processed, ids, spans)
         mm = MultimodalState(
-            images=spans,
+            media=spans,
             adapter_state=self.adapter.adapter_state(processed, ids, spans),
             bidirectional_groups=groups,  # host tensor until make_sequence
             group_ids=None if groups is None else groups.tolist(),
@@ -80,7 +80,7 @@ class VlmCausalLM(FlashCausalLM):
 
     def make_sequence(self, request, prompt: TokenizedPrompt, *, liveness: bool = False, warmup: bool = False) -> Sequence:
         seq = super().make_sequence(request, prompt, liveness=liveness, warmup=warmup)
-        for span in seq.mm.images:
+        for span in seq.mm.media:
             span.cache_key = self.encoder_cache.new_key()
         if seq.mm.bidirectional_groups is not None:
             seq.mm.bidirectional_groups = seq.mm.bidirectional_groups.to(self.device)
@@ -89,19 +89,19 @@ class VlmCausalLM(FlashCausalLM):
     def release_sequences(self, seqs: list[Sequence]) -> None:
         super().release_sequences(seqs)
         for seq in seqs:
-            for span in seq.images:
+            for span in seq.media:
                 self.encoder_cache.pop(span.cache_key)
 
     # ----- the step -----
     def embed_step(self, batch, step: StepInputs) -> torch.Tensor:
         embeds = self.embed_tokens(step.input_ids.clamp(max=self.embed_tokens.num_embeddings - 1))  # [T, H]
-        windows = [w for w in step.windows if w.seq.images_pending]
+        windows = [w for w in step.windows if w.seq.media_pending]
         if not windows:
             return embeds
         self._encode_needed(windows)
         rows, features = [], []
         for w in windows:
-            for span, s, e in spans_overlapping(w.seq.images, w.start, w.end):
+            for span, s, e in spans_overlapping(w.seq.media, w.start, w.end):
                 index = span.embed_index[s - span.offset : e - span.offset]
                 is_embed = index >= 0
                 rows.append(w.row + (s - w.start) + torch.nonzero(is_embed)[:, 0])
@@ -111,35 +111,45 @@ class VlmCausalLM(FlashCausalLM):
         return embeds
 
     def _encode_needed(self, windows) -> None:
-        needed: list[ImageSpan] = []
+        needed: list[MediaSpan] = []
         for w in windows:
-            for span, _, _ in spans_overlapping(w.seq.images, w.start, w.end):
+            for span, _, _ in spans_overlapping(w.seq.media, w.start, w.end):
                 if span.cache_key in self.encoder_cache:
                     continue
-                shared = self.encoder_cache.lookup(span.content_hash)
+                shared = self.encoder_cache.lookup(span.feature_key)
                 if shared is not None:
                     self.encoder_cache.put(span.cache_key, shared)
                 else:
                     needed.append(span)
         if not needed:
             return
-        unique = {s.content_hash: s for s in needed}  # the same image twice in one step is encoded once
-        outputs = dict(zip(unique, self.adapter.encode([s.pixel_inputs for s in unique.values()])))
+        outputs = self._encode_unique(needed)
         for span in needed:
-            features = outputs[span.content_hash]
+            features = outputs[span.feature_key]
             if features.shape[0] != span.num_embed:
                 raise RuntimeError(
-                    f"vision tower gave {features.shape[0]} rows for image {span.index}, prompt has {span.num_embed}"
+                    f"vision tower gave {features.shape[0]} rows for {span.kind.value} {span.index}, "
+                    f"prompt has {span.num_embed}"
                 )
             self.encoder_cache.put(span.cache_key, features)
-            self.encoder_cache.remember(span.content_hash, features)
+            self.encoder_cache.remember(span.feature_key, features)
+
+    def _encode_unique(self, spans: list[MediaSpan]) -> dict:
+        """Features by `feature_key`, one encoder call per kind; the same item twice in one step is encoded once."""
+        by_kind: dict = {}
+        for s in spans:
+            by_kind.setdefault(s.kind, {})[s.feature_key] = s
+        outputs = {}
+        for kind, unique in by_kind.items():
+            outputs.update(zip(unique, self.adapter.encode(kind, [s.pixel_inputs for s in unique.values()])))
+        return outputs
 
     def position_ids(self, batch, step: StepInputs) -> torch.Tensor:
         return self.adapter.position_ids(step)
 
     def after_step(self, batch, step: StepInputs) -> None:
         for w in step.windows:
-            for span in w.seq.images:
+            for span in w.seq.media:
                 if span.end <= w.seq.num_computed:
                     self.encoder_cache.pop(span.cache_key)
 

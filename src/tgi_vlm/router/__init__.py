@@ -2,10 +2,10 @@
 end-to-end tests.
 
     allocator.py  BlockAllocator: blocks + slots per request, block 0 reserved (no prefix cache)
-    prefix_cache.py  PrefixCache: cached prompt blocks keyed on ids + images, refcounts, LRU; PrefixStats
+    prefix_cache.py  PrefixCache: cached prompt blocks keyed on ids + media, refcounts, LRU; PrefixStats
     client.py     ShardClient: the eight v3 RPCs over the unix socket (grpc.aio)
     sharded_client.py  ShardedClient: every RPC to every rank, merged as TGI's router; connect() via ServiceDiscovery
-    tokens.py     TokenCounter: prompt lengths / ids + image spans from the shard's own processor code
+    tokens.py     TokenCounter: prompt lengths / ids + media spans from the shard's own processor code
     requests.py   RequestParams in; TokenEvent / FinalEvent out
     queue.py      waiting requests and the next-batch decision (budgets, chunk_len)
     router.py     Router: warmup and the continuous-batching loop

@@ -1,11 +1,12 @@
-"""The router driver's prefix cache: an image-aware block allocator (TGI v3's `RadixAllocator`,
+"""The router driver's prefix cache: a media-aware block allocator (TGI v3's `RadixAllocator`,
 keyed on content instead of a radix tree of token ids).
 
 Keys are `prefix_hash.block_keys`, the shard's own function: block j's key chains blocks 0..j's
-token ids and the content hash + offset of every image overlapping them, from the namespace of the
-request's `adapter_id` (`namespace_root`, as the shard derives it). A match is therefore a run of
-whole blocks from the start of the prompt, two prompts whose ids agree but whose images differ part
-at the first block holding an image token, and requests of two adapters share no block.
+token ids and the content hash + offset of every media item (image) overlapping them, from the
+namespace of the request's `adapter_id` (`namespace_root`, as the shard derives it). A match is
+therefore a run of whole blocks from the start of the prompt, two prompts whose ids agree but whose
+images differ part at the first block holding an image token, and requests of two adapters share no
+block.
 
 Every allocatable block is in exactly one state:
   free      in the pool;
@@ -34,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from tgi_vlm.blocks import slots_from_blocks
-from tgi_vlm.prefix_hash import ImageRef, block_keys, namespace_root
+from tgi_vlm.prefix_hash import MediaRef, block_keys, namespace_root
 from tgi_vlm.router.allocator import Allocation, BlockAllocator, PromptBlocks
 
 
@@ -79,10 +80,10 @@ class PrefixStats:
                 f"{self.evictions} evicted, {self.refused_claims} claims refused")
 
 
-def prompt_blocks(ids: list[int], images: list[ImageRef], group_ids: list[int] | None, block_size: int, *,
+def prompt_blocks(ids: list[int], media: list[MediaRef], group_ids: list[int] | None, block_size: int, *,
                   adapter_id: str = "") -> PromptBlocks:
     """The prompt as the cache keys it: keys in the namespace of the request's `adapter_id`."""
-    keys = block_keys(ids, images, block_size, root=namespace_root(adapter_id))
+    keys = block_keys(ids, media, block_size, root=namespace_root(adapter_id))
     return PromptBlocks(len(ids), tuple(keys), None if group_ids is None else tuple(group_ids))
 
 

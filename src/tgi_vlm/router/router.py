@@ -14,7 +14,7 @@ batches involved and fails their requests. A request's blocks are freed whenever
 (finished, cancelled, failed, requeued).
 
 Prefix caching (`RouterConfig.prefix_caching`, default on): the allocator is a `PrefixCache`; a
-request's prompt blocks are keyed at submit (token ids + image content hashes, from
+request's prompt blocks are keyed at submit (token ids + media content hashes, from
 `TokenCounter.tokenize`, in the namespace of its adapter_id) and entered into the cache once its first token arrives. VLM shards answer
 Info.use_prefix_caching=false (TGI's router is blind to images); this driver does not need that
 permission, because its keys see images and the shard verifies every claim.
@@ -59,7 +59,7 @@ class RouterConfig:
     max_batch_size: int | None = None
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
-    # The driver's own: reuse cached prompt blocks (keyed on token ids + images; the shard verifies).
+    # The driver's own: reuse cached prompt blocks (keyed on token ids + media; the shard verifies).
     prefix_caching: bool = True
     # Ranks of the shard a session starts (`serve --sharded`, one process each); the Router itself
     # sees one client whatever the number (ServiceDiscovery decides when connecting to a running shard).
@@ -141,7 +141,7 @@ def cacheable_prompt(prompt: PromptTokens | int, params: RequestParams, block_si
     have no logprobs)."""
     if not isinstance(prompt, PromptTokens) or params.prefill_logprobs:
         return None
-    return prompt_blocks(prompt.ids, prompt.images, prompt.group_ids, block_size, adapter_id=params.adapter_id)
+    return prompt_blocks(prompt.ids, prompt.media, prompt.group_ids, block_size, adapter_id=params.adapter_id)
 
 
 def is_cache_claim_refusal(entry: Entry, reason: str) -> bool:
@@ -155,7 +155,7 @@ class Router:
 
     def __init__(self, client: ShardClient, count_tokens: Callable[[pb.Request], PromptTokens | int],
                  config: RouterConfig | None = None):
-        """`count_tokens`: `TokenCounter.tokenize` (ids and images: prefix caching can key the prompt) or
+        """`count_tokens`: `TokenCounter.tokenize` (ids and media: prefix caching can key the prompt) or
         anything giving the prompt length alone (such requests are neither looked up nor cached)."""
         self.client = client
         self.count_tokens = count_tokens
@@ -214,7 +214,7 @@ class Router:
                       speculate=self.shard.info.speculate)
         try:
             prompt = input_len
-            # The prefix cache needs the prompt's ids and images, not only its length.
+            # The prefix cache needs the prompt's ids and media, not only its length.
             if input_len is None or (self.config.prefix_caching and not isinstance(input_len, PromptTokens)):
                 prompt = await asyncio.get_running_loop().run_in_executor(
                     self._counting, self.count_tokens, params.to_pb(entry.id))

@@ -58,7 +58,7 @@ async def router_session(model_id: str, *, uds_path: str | None = None, shard_en
         raise
     if wrap_client is not None:
         client = wrap_client(client)
-    # Prefix caching keys prompts on ids + images (`tokenize`, which also runs the processor per image);
+    # Prefix caching keys prompts on ids + media (`tokenize`, which also runs the processor per image);
     # without it the length is enough (`count`).
     router = Router(client, counter.tokenize if config.prefix_caching else counter.count, config)
     task = None

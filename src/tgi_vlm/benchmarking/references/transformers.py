@@ -18,6 +18,7 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from tgi_vlm.media import MediaKind
     from tgi_vlm.models.architectures import prompt_for
     from tgi_vlm.models.architectures.llama4 import enable_transformers_generate
 
@@ -28,7 +29,7 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
     prompt = prompt_for(model.config.model_type)(processor, model.config)
 
     def inputs_for(batch: list[WorkItem]) -> dict:
-        texts = [prompt.build_prompt([c if isinstance(c, str) else None for c in it.params.chunks]) for it in batch]
+        texts = [prompt.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in it.params.chunks]) for it in batch]
         images = [Image.open(io.BytesIO(c)).convert("RGB") for it in batch for c in it.params.chunks if isinstance(c, bytes)]
         kwargs = {"images": images} if images else {}
         inputs = dict(processor(text=texts, return_tensors="pt", padding=True, **kwargs))

@@ -2,13 +2,16 @@
 
 Two halves, so that code holding only a processor (the router's token counter) never builds a
 model-side object (nor imports the attention backends: the model half imports them where it uses them):
-- `VlmPrompt` (no weights): the placeholder of one image, the prompt layout, the processor on the
-  whole prompt and on each image alone, bidirectional attention groups.
-- `VlmAdapter` (the loaded model): vision features, the language model, per-sequence adapter state
-  (e.g. mrope positions), position ids, the per-layer attention pattern. It owns a `VlmPrompt`
-  as `.prompt`.
+- `VlmPrompt` (no weights): the media kinds it takes, the placeholder of one item of a kind and
+  the token its embeddings fill, the prompt layout, the processor on the whole prompt and on each
+  item alone, bidirectional attention groups.
+- `VlmAdapter` (the loaded model): encoder features per kind, the language model, per-sequence
+  adapter state (e.g. mrope positions), position ids, the per-layer attention pattern. It owns a
+  `VlmPrompt` as `.prompt`.
 The defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
-overrides only what differs.
+overrides only what differs. Every per-kind method refuses a kind the architecture does not take
+(`UnsupportedMediaKind`, naming the kind and the architecture); only images exist today
+(`tgi_vlm.media`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from tgi_vlm.media import MediaKind
+
 if TYPE_CHECKING:
     from tgi_vlm.layers.attention import AttentionPattern
     from tgi_vlm.models.step import StepInputs
@@ -24,55 +29,84 @@ if TYPE_CHECKING:
 # Processor outputs that are not pixel inputs of the vision tower.
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels")
 
+# A request's prompt in order: text, or the kind of the media item that goes there.
+PromptPart = str | MediaKind
+
+
+class UnsupportedMediaKind(ValueError):
+    """An architecture was asked for a kind of media it does not take; the message names both."""
+
 
 class VlmPrompt:
     """The prompt side of an architecture: needs the processor and the config, never the weights."""
+
+    media_kinds: ClassVar[tuple[MediaKind, ...]] = (MediaKind.IMAGE,)  # what the architecture takes
 
     def __init__(self, processor, hf_config):
         self.processor = processor
         self.config = hf_config
         self.tokenizer = processor.tokenizer
         token_id = getattr(hf_config, "image_token_id", None)
-        self.image_token_id = int(token_id if token_id is not None else hf_config.image_token_index)
+        self.media_token_ids = {MediaKind.IMAGE: int(token_id if token_id is not None else hf_config.image_token_index)}
 
-    def image_placeholder(self) -> str:
-        """Text standing for one image in the prompt; the processor expands it."""
+    def require(self, kind: MediaKind) -> None:
+        """Raises UnsupportedMediaKind unless the architecture takes `kind`."""
+        if kind not in self.media_kinds:
+            name = getattr(kind, "value", kind)
+            raise UnsupportedMediaKind(
+                f"model_type {self.config.model_type!r} ({type(self).__name__}) takes no {name} inputs; "
+                f"it takes: {', '.join(k.value for k in self.media_kinds)}"
+            )
+
+    def media_token_id(self, kind: MediaKind) -> int:
+        """The token id whose positions take the encoder rows of `kind` items (the processor expands
+        each placeholder into them)."""
+        self.require(kind)
+        return self.media_token_ids[kind]
+
+    def placeholder(self, kind: MediaKind) -> str:
+        """Text standing for one item of `kind` in the prompt; the processor expands it."""
+        self.require(kind)
         return self.processor.image_token
 
-    def build_prompt(self, parts: list[str | None]) -> str:
-        """Prompt text from the request's chunks in order (None marks an image)."""
-        return "".join(self.image_placeholder() if p is None else p for p in parts)
+    def build_prompt(self, parts: list[PromptPart]) -> str:
+        """Prompt text from the request's parts in order (a MediaKind marks where an item goes)."""
+        return "".join(p if isinstance(p, str) else self.placeholder(p) for p in parts)
 
     def process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
         """The processor on the whole prompt: token ids (placeholders expanded) and side inputs.
 
-        `add_special_tokens` is the request's flag: TGI's chat route sends False because the chat
-        template already holds <bos>.
+        `images` are the prompt's decoded items (all images today: a second kind adds its own
+        processor argument here). `add_special_tokens` is the request's flag: TGI's chat route sends
+        False because the chat template already holds <bos>.
         """
         kwargs = {"images": images} if images else {}
         return dict(
             self.processor(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
         )
 
-    def expanded_ids(self, parts: list[str | None], images: list, add_special_tokens: bool = True
+    def expanded_ids(self, parts: list[PromptPart], items: list, add_special_tokens: bool = True
                      ) -> tuple[list[int], list[int]] | None:
-        """The prompt's ids and each image's token count without running the image processor, for
-        counting only (the router); None where the architecture needs the processor for that (the default).
-        An override must give exactly `process(...)["input_ids"]` and the counts `image_inputs` gives."""
+        """The prompt's ids and each item's token count without running the processor's pixel work,
+        for counting only (the router); None where the architecture needs the processor for that (the
+        default). An override must give exactly `process(...)["input_ids"]` and the counts
+        `media_inputs` gives."""
         return None
 
-    def only_image_inputs(self, processed: dict) -> dict:
-        """The pixel inputs of a prompt's only image, out of the whole-prompt processor output: with one
-        image every non-text output belongs to it (what `image_inputs` would compute again)."""
+    def only_media_inputs(self, kind: MediaKind, processed: dict) -> dict:
+        """The pixel inputs of a prompt's only item, out of the whole-prompt processor output: with one
+        item every non-text output belongs to it (what `media_inputs` would compute again)."""
+        self.require(kind)
         return {k: v for k, v in processed.items() if k not in TEXT_KEYS}
 
-    def image_inputs(self, image) -> tuple[dict, int]:
-        """This image alone through the processor: (pixel inputs, number of embedding tokens).
+    def media_inputs(self, kind: MediaKind, item) -> tuple[dict, int]:
+        """This item alone through the processor: (pixel inputs, number of embedding tokens).
 
         The count comes from the processor's own expansion, so it cannot drift from the prompt.
         """
-        out = self.processor(text=[self.image_placeholder()], images=[image], return_tensors="pt")
-        count = int((out["input_ids"] == self.image_token_id).sum())
+        placeholder, token_id = self.placeholder(kind), self.media_token_id(kind)
+        out = self.processor(text=[placeholder], images=[item], return_tensors="pt")
+        count = int((out["input_ids"] == token_id).sum())
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:
@@ -97,36 +131,42 @@ class VlmAdapter:
         self.config = hf_config
         self.prompt = self.prompt_type(processor, hf_config)
 
-    # ----- vision tower -----
-    batch_images: ClassVar[bool] = True  # images with same-shaped pixel inputs share one vision call
+    # ----- encoders -----
+    # The model's encoder entry point per kind (on `model.model`, the inner multimodal model).
+    encoder_methods: ClassVar[dict[MediaKind, str]] = {MediaKind.IMAGE: "get_image_features"}
+    batch_encode: ClassVar[bool] = True  # items of one kind with same-shaped pixel inputs share one encoder call
 
-    def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
-        """Vision features `[num_embed_i, hidden]` for each image, in order."""
-        if not self.batch_images:
-            return [self._encode_one(p) for p in pixel_inputs]
+    def encode(self, kind: MediaKind, inputs: list[dict]) -> list[torch.Tensor]:
+        """Encoder features `[num_embed_i, hidden]` for each item of `kind` (its pixel inputs), in order."""
+        self.prompt.require(kind)
+        if not self.batch_encode:
+            return [self._encode_one(kind, p) for p in inputs]
         groups: dict[tuple, list[int]] = {}
-        for i, pixels in enumerate(pixel_inputs):
+        for i, pixels in enumerate(inputs):
             groups.setdefault(_shape_key(pixels), []).append(i)
-        features: list[torch.Tensor | None] = [None] * len(pixel_inputs)
+        features: list[torch.Tensor | None] = [None] * len(inputs)
         for members in groups.values():
-            batch = {k: torch.cat([pixel_inputs[i][k] for i in members]) for k in pixel_inputs[members[0]]}
-            for i, f in zip(members, self._encode_batch(batch, len(members))):
+            batch = {k: torch.cat([inputs[i][k] for i in members]) for k in inputs[members[0]]}
+            for i, f in zip(members, self._encode_batch(kind, batch, len(members))):
                 features[i] = f
         return features
 
-    def _encode_batch(self, pixels: dict, count: int) -> list[torch.Tensor]:
-        """One vision call for `count` images stacked on dim 0; per-image rows in order."""
+    def _encode_batch(self, kind: MediaKind, pixels: dict, count: int) -> list[torch.Tensor]:
+        """One encoder call for `count` items stacked on dim 0; per-item rows in order."""
         device, dtype = self.vision_device_dtype()
         kwargs = {k: _to(v, device, dtype) for k, v in pixels.items()}
-        out = self.model.model.get_image_features(**kwargs, return_dict=True).pooler_output
-        per_image = list(out) if isinstance(out, (list, tuple)) and len(out) == count else torch.chunk(out, count)
-        return [flatten_features(f) for f in per_image]
+        out = self._encoder(kind)(**kwargs, return_dict=True).pooler_output
+        per_item = list(out) if isinstance(out, (list, tuple)) and len(out) == count else torch.chunk(out, count)
+        return [flatten_features(f) for f in per_item]
 
-    def _encode_one(self, pixels: dict) -> torch.Tensor:
+    def _encode_one(self, kind: MediaKind, pixels: dict) -> torch.Tensor:
         device, dtype = self.vision_device_dtype()
         kwargs = {k: _to(v, device, dtype) for k, v in pixels.items()}
-        features = self.model.model.get_image_features(**kwargs, return_dict=True).pooler_output
+        features = self._encoder(kind)(**kwargs, return_dict=True).pooler_output
         return flatten_features(features)
+
+    def _encoder(self, kind: MediaKind):
+        return getattr(self.model.model, self.encoder_methods[kind])
 
     def vision_device_dtype(self) -> tuple[torch.device, torch.dtype]:
         param = next(self.model.parameters())
@@ -157,7 +197,7 @@ class VlmAdapter:
 
 
 def _shape_key(pixels: dict) -> tuple:
-    """Images whose pixel inputs agree beyond dim 0 can be concatenated (and give equal row counts)."""
+    """Items whose pixel inputs agree beyond dim 0 can be concatenated (and give equal row counts)."""
     if not all(isinstance(v, torch.Tensor) for v in pixels.values()):
         return (id(pixels),)  # something unusual: encode alone
     return tuple(sorted((k, tuple(v.shape[1:]), v.dtype) for k, v in pixels.items()))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from tgi_vlm.media import MediaKind
 from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt
 from tgi_vlm.models.architectures.registry import register
 
 
 class Gemma3Prompt(VlmPrompt):
-    def image_placeholder(self) -> str:
+    def placeholder(self, kind: MediaKind) -> str:
+        self.require(kind)
         return self.processor.boi_token  # the processor expands <start_of_image> into the full block
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:

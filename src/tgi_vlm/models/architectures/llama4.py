@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tgi_vlm.media import MediaKind
 from tgi_vlm.models.architectures.base import VlmAdapter, _to, flatten_features
 from tgi_vlm.models.architectures.registry import register
 
@@ -19,9 +20,9 @@ if TYPE_CHECKING:
 @register
 class Llama4Adapter(VlmAdapter):
     model_types = ("llama4",)
-    batch_images = False  # its vision model flattens tiles across images; one call per image keeps rows apart
+    batch_encode = False  # its vision model flattens tiles across images; one call per image keeps rows apart
 
-    def _encode_one(self, pixels: dict) -> torch.Tensor:
+    def _encode_one(self, kind: MediaKind, pixels: dict) -> torch.Tensor:  # images only (`encode` checked)
         device, dtype = self.vision_device_dtype()
         model = self.model
         kwargs = {}

@@ -7,14 +7,15 @@ import logging
 
 import torch
 
-from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt
+from tgi_vlm.media import MediaKind
+from tgi_vlm.models.architectures.base import PromptPart, VlmAdapter, VlmPrompt
 from tgi_vlm.models.architectures.registry import register
 
 
 class PaliGemmaPrompt(VlmPrompt):
-    def build_prompt(self, parts: list[str | None]) -> str:
+    def build_prompt(self, parts: list[PromptPart]) -> str:
         # PaliGemma's convention: images first, then the text; the processor adds <bos> and "\n".
-        return "".join(p for p in parts if p is not None)
+        return "".join(p for p in parts if isinstance(p, str))
 
     def __init__(self, processor, hf_config):
         super().__init__(processor, hf_config)
@@ -31,12 +32,14 @@ class PaliGemmaPrompt(VlmPrompt):
         out.pop("labels", None)  # returned even without a suffix
         return out
 
-    def only_image_inputs(self, processed: dict) -> dict:
+    def only_media_inputs(self, kind: MediaKind, processed: dict) -> dict:
+        self.require(kind)
         return {"pixel_values": processed["pixel_values"]}
 
-    def image_inputs(self, image) -> tuple[dict, int]:
-        out = self.processor(text=[""], images=[image], return_tensors="pt")
-        count = int((out["input_ids"] == self.image_token_id).sum())
+    def media_inputs(self, kind: MediaKind, item) -> tuple[dict, int]:
+        token_id = self.media_token_id(kind)  # refuses a kind PaliGemma does not take
+        out = self.processor(text=[""], images=[item], return_tensors="pt")
+        count = int((out["input_ids"] == token_id).sum())
         return {"pixel_values": out["pixel_values"]}, count
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tgi_vlm.models.architectures.base import VlmAdapter, VlmPrompt, _to
+from tgi_vlm.media import MediaKind
+from tgi_vlm.models.architectures.base import PromptPart, VlmAdapter, VlmPrompt, _to
 from tgi_vlm.models.architectures.registry import register
 
 
@@ -24,19 +25,24 @@ class MropePositions:
 
 
 class Qwen2VLPrompt(VlmPrompt):
-    def image_placeholder(self) -> str:
+    def placeholder(self, kind: MediaKind) -> str:
+        self.require(kind)
         # The chat template wraps the pad token; the processor expands only <|image_pad|>.
         return "<|vision_start|>" + self.processor.image_token + "<|vision_end|>"
 
-    def expanded_ids(self, parts: list[str | None], images: list, add_special_tokens: bool = True
+    def expanded_ids(self, parts: list[PromptPart], items: list, add_special_tokens: bool = True
                      ) -> tuple[list[int], list[int]] | None:
         """An image's token count depends only on its size here: the processor's own
         `_get_num_multimodal_tokens` (its resize rule, patch and merge sizes, with the settings its call
         would merge, the tokenizer's init kwargs included) gives it, and the processor tokenizes the
         prompt with each <|image_pad|> repeated that many times. Done the same way, without resizing and
         normalizing pixels (~4 ms of the router's ~6 ms per one-image request).
-        None (use the processor) when the joined prompt holds other image or video tokens than the
-        placeholders (the processor decides, or refuses), or when the processor does not resize."""
+        None (use the processor) when the prompt holds other media than images, or other image or video
+        tokens than the placeholders (the processor decides, or refuses), or when the processor does
+        not resize."""
+        if any(not isinstance(p, str) and p is not MediaKind.IMAGE for p in parts):
+            return None
+        images = items  # the prompt's media are all images (checked above)
         text = self.build_prompt(parts)
         token, video = self.processor.image_token, getattr(self.processor, "video_token", None)
         if text.count(token) != len(images) or (video and video in text):
@@ -61,11 +67,12 @@ class Qwen2VLAdapter(VlmAdapter):
     prompt_type = Qwen2VLPrompt
     position_rows = 3
 
-    def encode(self, pixel_inputs: list[dict]) -> list[torch.Tensor]:
+    def encode(self, kind: MediaKind, inputs: list[dict]) -> list[torch.Tensor]:
         # One vision call for all images: the tower keeps images apart through cu_seqlens.
+        self.prompt.require(kind)
         device, dtype = self.vision_device_dtype()
-        pixels = torch.cat([p["pixel_values"] for p in pixel_inputs])
-        grids = torch.cat([p["image_grid_thw"] for p in pixel_inputs])
+        pixels = torch.cat([p["pixel_values"] for p in inputs])
+        grids = torch.cat([p["image_grid_thw"] for p in inputs])
         out = self.model.model.get_image_features(
             pixel_values=_to(pixels, device, dtype), image_grid_thw=grids.to(device), return_dict=True
         )

@@ -1,18 +1,19 @@
-"""Image-span location and the window-overlap helper."""
+"""Media-span location and the window-overlap helper."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tgi_vlm.models.image_spans import ImageSpan, locate_spans, spans_overlapping
+from tgi_vlm.media import MediaKind
+from tgi_vlm.models.media_spans import MediaSpan, locate_spans, spans_overlapping
 
 IMG = 9
 
 
 def test_spans_follow_image_tokens_in_order_with_structure_tokens_inside():
     ids = [1, 2, IMG, IMG, 5, IMG, IMG, 3, IMG, IMG, IMG, 4]  # image 0 has a marker (5) inside
-    spans = locate_spans(ids, IMG, counts=[4, 3])
+    spans = locate_spans(ids, MediaKind.IMAGE, IMG, counts=[4, 3])
     assert [(o, n) for o, n, _ in spans] == [(2, 5), (8, 3)]
     assert spans[0][2].tolist() == [0, 1, -1, 2, 3]
     assert spans[1][2].tolist() == [0, 1, 2]
@@ -20,17 +21,17 @@ def test_spans_follow_image_tokens_in_order_with_structure_tokens_inside():
 
 def test_back_to_back_images_are_split_by_count():
     ids = [IMG] * 6
-    spans = locate_spans(ids, IMG, counts=[2, 4])
+    spans = locate_spans(ids, MediaKind.IMAGE, IMG, counts=[2, 4])
     assert [(o, n) for o, n, _ in spans] == [(0, 2), (2, 4)]
 
 
 def test_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="3 image tokens but its images need 4"):
-        locate_spans([IMG, IMG, IMG], IMG, counts=[4])
+        locate_spans([IMG, IMG, IMG], MediaKind.IMAGE, IMG, counts=[4])
 
 
 def _span(offset, length):
-    return ImageSpan(0, offset, length, torch.arange(length), length, "h", {})
+    return MediaSpan(MediaKind.IMAGE, 0, offset, length, torch.arange(length), length, "h", {})
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,28 @@
+"""Media kinds: what a prompt can hold besides text.
+
+A kind names one modality from end to end: the request chunk it arrives in
+(`models/intake.py: CHUNK_KINDS`), how its bytes are decoded (`models/vlm_intake.py: DECODERS`),
+the architecture's placeholder text and the token its embedding rows fill
+(`VlmPrompt.placeholder(kind)`, `VlmPrompt.media_token_id(kind)`), its encoder call
+(`VlmAdapter.encode(kind, inputs)`), its spans (`MediaSpan.kind`) and the keys of work cached for it
+(`MediaRef.kind` in prefix-block keys, `MediaSpan.feature_key` in the encoder cache).
+Only images exist today; video (Qwen2-VL / Qwen2.5-VL) is meant to be a second member, not a
+second copy of those paths.
+
+A plain Enum, not a str one, so that a prompt part (text `str` or a `MediaKind` marking where an
+item goes) tells text from media by type. This module imports nothing of the package: every
+layer may use it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class MediaKind(Enum):
+    IMAGE = "image"
+
+    @property
+    def plural(self) -> str:
+        """For messages: "images"."""
+        return f"{self.value}s"

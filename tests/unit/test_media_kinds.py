@@ -1,0 +1,123 @@
+"""Media kinds (tgi_vlm/media.py): where a kind enters the request, the adapters, the spans and the
+cache keys. Only images exist; a stand-in second kind (not a MediaKind member) shows that every
+architecture refuses what it does not take, and that the per-kind paths keep kinds apart."""
+
+from __future__ import annotations
+
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tgi_vlm.errors import InvalidRequest
+from tgi_vlm.media import MediaKind
+from tgi_vlm.models.architectures import adapter_for, supported_model_types
+from tgi_vlm.models.architectures.base import UnsupportedMediaKind, VlmPrompt
+from tgi_vlm.models.media_spans import MediaSpan
+from tgi_vlm.models.request_input import MediaChunk, request_chunks
+from tgi_vlm.models.vlm_intake import prompt_spans
+from tgi_vlm.pb import generate_pb2 as pb
+from tgi_vlm.prefix_hash import MediaRef, chain_key, media_record, namespace_root
+from tgi_vlm.testing.harness import make_request
+
+
+class Stand(Enum):
+    """A kind no architecture takes, shaped like MediaKind."""
+
+    VIDEO = "video"
+
+    @property
+    def plural(self) -> str:
+        return f"{self.value}s"
+
+
+VIDEO = Stand.VIDEO
+DIGEST = "ab" * 32
+
+
+def fake_prompt_inputs(model_type: str):
+    processor = SimpleNamespace(tokenizer=None, image_token="<image>", boi_token="<start_of_image>")
+    return processor, SimpleNamespace(model_type=model_type, image_token_id=7)
+
+
+# ----- the architectures -----
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_architecture_takes_images_and_refuses_another_kind_naming_both(model_type):
+    adapter = adapter_for(model_type)(None, *fake_prompt_inputs(model_type))
+    prompt = adapter.prompt
+    assert prompt.media_kinds == (MediaKind.IMAGE,)
+    assert prompt.media_token_id(MediaKind.IMAGE) == 7
+    message = f"model_type '{model_type}' ({type(prompt).__name__}) takes no video inputs; it takes: image"
+    for call in (lambda: prompt.placeholder(VIDEO), lambda: prompt.media_token_id(VIDEO),
+                 lambda: prompt.media_inputs(VIDEO, object()), lambda: prompt.only_media_inputs(VIDEO, {}),
+                 lambda: adapter.encode(VIDEO, [{}])):
+        with pytest.raises(UnsupportedMediaKind) as info:
+            call()
+        assert str(info.value) == message
+
+
+def test_a_prompt_part_names_the_kind_whose_placeholder_goes_there():
+    prompt = VlmPrompt(*fake_prompt_inputs("llava_next"))
+    assert prompt.build_prompt(["a ", MediaKind.IMAGE, " b"]) == "a <image> b"
+
+
+# ----- the request -----
+
+def test_an_image_chunk_unpacks_as_an_image_media_chunk():
+    request = make_request(0, "see ", b"\x89PNG-bytes", " now")
+    assert request_chunks(request) == ["see ", MediaChunk(MediaKind.IMAGE, b"\x89PNG-bytes"), " now"]
+
+
+def test_an_unset_chunk_unpacks_as_an_empty_image_refused_later_as_before():
+    request = pb.Request(id=0, input_chunks=pb.Input(chunks=[pb.InputChunk(text="a"), pb.InputChunk()]))
+    assert request_chunks(request) == ["a", MediaChunk(MediaKind.IMAGE, b"")]
+
+
+# ----- spans of several kinds -----
+
+class TwoKindPrompt(VlmPrompt):
+    media_kinds = (MediaKind.IMAGE, VIDEO)
+
+    def __init__(self):
+        super().__init__(*fake_prompt_inputs("two_kinds"))
+        self.media_token_ids[VIDEO] = 8
+
+
+def test_the_items_of_each_kind_own_that_kind_s_tokens_in_prompt_order():
+    ids = [1, 7, 7, 2, 8, 8, 8, 3, 7, 4]  # image, video, image
+    spans = prompt_spans(pb.Request(id=3), TwoKindPrompt(), ids, [MediaKind.IMAGE, VIDEO, MediaKind.IMAGE],
+                         [2, 3, 1], ["d0", "d1", "d2"])
+    assert [(s.kind, s.index, s.offset, s.length, s.content_hash) for s in spans] == [
+        (MediaKind.IMAGE, 0, 1, 2, "d0"), (VIDEO, 1, 4, 3, "d1"), (MediaKind.IMAGE, 2, 8, 1, "d2")]
+
+
+def test_a_kind_whose_tokens_do_not_match_its_items_is_the_request_s_error():
+    with pytest.raises(InvalidRequest, match="prompt has 2 video tokens but its videos need 3"):
+        prompt_spans(pb.Request(id=3), TwoKindPrompt(), [7, 8, 8], [MediaKind.IMAGE, VIDEO], [1, 3], ["d0", "d1"])
+
+
+# ----- cache keys -----
+
+def span(kind, digest=DIGEST) -> MediaSpan:
+    return MediaSpan(kind, 0, 6, 4, torch.arange(4), 4, digest, {})
+
+
+def test_an_image_s_block_key_record_is_what_it_was_before_kinds():
+    ref = MediaRef(MediaKind.IMAGE, 6, 4, DIGEST)
+    assert media_record(ref) == f"i6:4:{DIGEST}".encode()
+
+
+def test_the_same_bytes_as_another_kind_give_another_block_key():
+    ids = list(range(12))
+    image, other = MediaRef(MediaKind.IMAGE, 6, 4, DIGEST), MediaRef(VIDEO, 6, 4, DIGEST)
+    assert media_record(other) == f"mvideo:6:4:{DIGEST}".encode()
+    root = namespace_root()
+    assert chain_key(root, ids, [image], 4, 8) != chain_key(root, ids, [other], 4, 8)
+
+
+def test_a_span_s_ref_and_encoder_key_carry_its_kind():
+    assert span(MediaKind.IMAGE).ref == MediaRef(MediaKind.IMAGE, 6, 4, DIGEST)
+    assert span(MediaKind.IMAGE).feature_key == (MediaKind.IMAGE, DIGEST)
+    assert span(VIDEO).feature_key != span(MediaKind.IMAGE).feature_key
