@@ -44,12 +44,10 @@ import torch
 import torch.nn.functional as F
 
 import tgi_vlm.layers.attention.torch_backend as torch_backend
-import tgi_vlm.layers.cpu as cpu
 import tgi_vlm.layers.linear.plan as linear_plan
 from tgi_vlm.config import EngineConfig, KernelSettings
 from tgi_vlm.kernels import cpu as cpu_kernels
-from tgi_vlm.layers.cpu_decoder import install_lean_layers, remove_lean_layers
-from tgi_vlm.layers.skinny_linear import skinny_available
+from tgi_vlm.layers.cpu_decoder import remove_lean_layers
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import make_batch, make_request
@@ -65,23 +63,10 @@ def _unpadded_causal(q, k, v, scaling):
 
 PADDED_CAUSAL = torch_backend.causal_attention
 MKL_PACKS_FLOAT32 = linear_plan.mkl_packs_float32
-SKINNY_AVAILABLE = cpu.skinny_available
 # path -> (its KernelSettings field, the op that runs with it)
 KERNEL_PATHS = {"native-attention": ("native_attention", "decode_attention"),
                 "native-rotary": ("native_rotary", "rotary_and_store"), "native-norm": ("native_norm", "rms_norm"),
                 "skinny-linear": ("skinny_linear", "skinny_linear")}
-
-
-def _load(model: str, config: EngineConfig):
-    """The engine, with `config.kernels` reaching the lean layers and the linear plan: layers/cpu.py's
-    speed_up_for_cpu does not take EngineConfig.kernels yet (it builds both with the defaults)."""
-    cpu.skinny_available = lambda: skinny_available(config.kernels)  # read by the linear plan at load
-    try:
-        engine = get_model(model, config)
-    finally:
-        cpu.skinny_available = SKINNY_AVAILABLE
-    install_lean_layers(engine.language_model, config.kernels)
-    return engine
 
 
 class Side:
@@ -94,7 +79,8 @@ class Side:
             kernels = replace(kernels, **{KERNEL_PATHS[path][0]: with_path})
         if path == "mkl-float32":  # the linear plan reads it at load
             linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32 if with_path else (lambda: False)
-        self.engine = _load(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype, kernels=kernels))
+        self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype,
+                                                    kernels=kernels))
         linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:

@@ -16,17 +16,14 @@ from tests.conftest import load_engine
 from tests.models.test_decode_mirror_parity import assert_identical_runs, run
 from tests.unit.kernels_here import needs, op_calls, require
 from tgi_vlm.config import KernelSettings
-from tgi_vlm.layers.cpu_decoder import install_lean_layers, remove_lean_layers
+from tgi_vlm.layers.cpu_decoder import remove_lean_layers
 
 TORCH_NORM = KernelSettings(native_norm=False)
 
 
 def lean_engine(arch: str, kernels: KernelSettings = TORCH_NORM, **config):
     """An engine whose lean layers use `kernels` (torch's RMSNorm unless told otherwise)."""
-    engine = load_engine(arch, kernels=kernels, **config)
-    # layers/cpu.py installs the lean layers with the default settings until it is handed EngineConfig.kernels
-    install_lean_layers(engine.language_model, kernels)
-    return engine
+    return load_engine(arch, kernels=kernels, **config)
 
 # Every tiny architecture: those whose text layers are Llama-family get the lean forward.
 COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm")

@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import load_engine
 from tests.unit.kernels_here import kernels, op_calls
 from tgi_vlm.config import EngineConfig, KernelSettings, default_kernel_cache
-from tgi_vlm.layers.cpu_decoder import install_lean_layers
 from tgi_vlm.testing.harness import Runner, make_request
 
 
@@ -42,8 +41,6 @@ def test_the_engine_config_carries_them_and_decode_attention_is_for_cpu_only():
 
 def _calls_over_three_steps(settings: KernelSettings) -> tuple[dict, int]:
     engine = load_engine("qwen2", kernels=settings)
-    # layers/cpu.py installs the lean layers with the default settings until it is handed EngineConfig.kernels
-    install_lean_layers(engine.language_model, settings)
     runner = Runner(engine)
     with op_calls() as calls:
         runner.prefill([make_request(0, "the cat sat on the mat", max_new_tokens=3)])
