@@ -15,6 +15,13 @@ What it does
        follows a function moved to another module; one whose line no longer matches shows as
        "(to judge)"), plus notes-<label>.md (the survivors grouped by behaviour) if present.
 
+Widened     Groups "boundaries" (api/validation.py, prefix_hash.py, router/prefix_cache.py, models/encoder_cache.py,
+            the native wrappers' checks) and "speculative" (FlashCausalLM's verify-and-accept loop, generation/
+            speculative.py) are the widened scope of benchmarks/results/mutation-widened-{before,after}.md; run them
+            alone with `--groups boundaries,speculative` (the listing and the report then hold only those groups).
+            A test file a group names that the checkout lacks is left out and named in the report (a "before" run
+            from an older commit). benchmarks/mutation/planted.py plants, one at a time, the bugs the boundary tests
+            were written for and checks each is caught (benchmarks/results/planted-bugs.md).
 Tool        mutmut 3.8.1 (pip install '.[mutation]', or `pip install mutmut==3.8.1`), pytest.
 Scope       GROUPS[*]["scope"] below: path -> fnmatch patterns over "Class.method" / "function".
             Edit the paths when code moves (the refactor moved FlashCausalLM.make_sequence, _slots_for
@@ -42,7 +49,7 @@ How to run (from the repository root; ~70 min at 1 in 8 on 2 cores shared with o
     writes benchmarks/results/mutation-<label>.md (or --out); scratch in /tmp/tgi-vlm-mutation-<label>
     --dry-run       list the sampled mutants and counts, run nothing
     --max-children  parallel mutant processes (default 1; each test process uses 2 torch threads)
-    --groups        groups to run, in order (default all: engine,vision,extra)
+    --groups        groups to run, in order (default all: engine,vision,extra,boundaries,speculative)
     --workdir       scratch directory; --resume keeps it and runs only mutants without a verdict
                     (an interrupted run continues; its earlier wall time is added)
     --report-only   rewrite the markdown from the verdicts already in the scratch directory
@@ -68,7 +75,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 JUDGEMENTS = HERE / "judgements.json"
 
-# Two groups, each its own mutmut run with its own tests: mutmut runs, per mutant, every selected
+# Groups, each its own mutmut run with its own tests: mutmut runs, per mutant, every selected
 # test that reaches the mutated function, and the VLM tests (slow) are worth it only for the image path.
 # scope: path (relative to the repository root) -> fnmatch patterns over "Class.method" / "function".
 GROUPS: dict[str, dict] = {
@@ -120,7 +127,7 @@ GROUPS: dict[str, dict] = {
             # image decoding limits and conversion (not the test-image helpers)
             "src/tgi_vlm/images.py": ["decode_image", "to_rgb"],
             "src/tgi_vlm/models/media_spans.py": ["*"],  # models/image_spans.py before the media rename
-            "src/tgi_vlm/models/encoder_cache.py": ["*"],
+            # models/encoder_cache.py moved to group "boundaries" (its byte accounting has its own tests there)
             # masks: causal, sliding window, and bidirectional image blocks (Gemma3, PaliGemma)
             "src/tgi_vlm/layers/attention/metadata.py": ["*"],
         },
@@ -137,8 +144,7 @@ GROUPS: dict[str, dict] = {
         "scope": {
             # per-step outputs (tokens, generations), split out of flash_causal_lm.py by the refactor
             "src/tgi_vlm/models/outputs.py": ["OutputBuilder.*"],
-            # prefix caching: block hashes and the radix/LRU cache of KV blocks
-            "src/tgi_vlm/prefix_hash.py": ["*"],
+            # prefix caching: the shard's records of KV blocks (prefix_hash.py moved to group "boundaries")
             "src/tgi_vlm/models/prefix_cache.py": ["*"],
         },
         "tests": [
@@ -147,9 +153,96 @@ GROUPS: dict[str, dict] = {
             "tests/models/test_prefix_caching.py",
         ],
     },
+    # The widened scope (benchmarks/results/mutation-widened-*.md): exact limits and bookkeeping whose effect
+    # is not a token. In-process tests only; the HTTP front end through its ASGI app, not a launched server.
+    "boundaries": {
+        "scope": {
+            "src/tgi_vlm/api/validation.py": ["*"],  # TGI's request validation: limits at their exact values
+            "src/tgi_vlm/prefix_hash.py": ["*"],  # the content-key chain of KV blocks
+            "src/tgi_vlm/router/prefix_cache.py": ["*"],  # the driver's prefix cache (refs, index, LRU)
+            "src/tgi_vlm/models/encoder_cache.py": ["*"],  # per-request entries and the byte-bounded LRU
+            # the checks at the native ops' entry points. The ops themselves are @torch.library.custom_op functions,
+            # which mutmut does not mutate (decorated): their checks live in these helpers, except rotary_and_store's
+            # and skinny_linear's inline slot/row checks (planted by hand: benchmarks/mutation/planted.py).
+            "src/tgi_vlm/kernels/cpu/ops.py": [
+                "slot_bound",
+                "_loaded",
+                "_cache_problem",
+                "_decode_problem",
+                "_decode_index_problem",
+                "_rotary_problem",
+                "_linear_problem",
+            ],
+            "src/tgi_vlm/layers/attention/cpu_backend.py": ["NativeDecodeStep.*"],  # the step decode_attention gets
+        },
+        "tests": [
+            "tests/unit/test_api.py",
+            "tests/unit/test_api_health.py",
+            "tests/unit/test_router_prefix_cache.py",
+            "tests/unit/test_encoder_cache.py",
+            "tests/unit/test_prefix_hash.py",
+            "tests/unit/test_cpu_backend.py",
+            "tests/unit/test_kernel_ops.py",
+            "tests/unit/test_bench_prefix.py",
+            "tests/models/test_prefix_caching.py",
+            "tests/models/test_encoder_reuse.py",
+            # tests/models/test_vlm_prefix_caching.py (7 VLMs) is left out for time: every mutant of the key chain
+            # would run it; the unit tests above key images at block edges directly.
+            # added with the widened scope
+            "tests/unit/test_api_validation_limits.py",
+            "tests/unit/test_prefix_key_chain.py",
+            "tests/unit/test_encoder_cache_bytes.py",
+            "tests/unit/test_native_entry_bounds.py",
+            "tests/unit/test_prefix_cache_bookkeeping.py",  # written for the after run's survivors
+        ],
+    },
+    # Speculative decoding's verify-and-accept loop: the llama cases of test_speculative.py (every VLM is
+    # ~60 s more per surviving mutant) and the stop/EOS-inside-a-run tests.
+    "speculative": {
+        "scope": {
+            "src/tgi_vlm/models/flash_causal_lm.py": [
+                "FlashCausalLM.sample",
+                "FlashCausalLM.propose_drafts",
+                "SpeculationStats.*",
+            ],
+            "src/tgi_vlm/generation/speculative.py": ["*"],
+        },
+        "tests": [
+            *(f"tests/models/test_speculative.py::{t}" for t in (
+                "test_the_ngram_drafter_proposes_what_followed_the_most_recent_match_of_the_longest_suffix",
+                "test_greedy_tokens_and_logprobs_equal_the_plain_run_and_transformers[llama-1]",
+                "test_greedy_tokens_and_logprobs_equal_the_plain_run_and_transformers[llama-2]",
+                "test_greedy_tokens_and_logprobs_equal_the_plain_run_and_transformers[llama-4]",
+                "test_batched_with_chunked_prefill_and_a_join_mid_decode[llama]",
+                "test_seeded_sampling_and_stop_conditions_inside_an_accepted_run_match_the_plain_run[llama]",
+                "test_info_reports_the_speculation_depth",
+                "test_drafts_never_need_slots_beyond_prompt_plus_max_new_tokens[llama]",
+            )),
+            # added with the widened scope
+            "tests/models/test_speculative_stops.py",
+            "tests/unit/test_speculative_drafter.py",  # written for the runs' survivors
+        ],
+    },
 }
 SCOPE: dict[str, list[str]] = {p: pats for g in GROUPS.values() for p, pats in g["scope"].items()}
 GROUP_OF: dict[str, str] = {p: name for name, g in GROUPS.items() for p in g["scope"]}
+WIDENED = ("boundaries", "speculative")  # the groups of the widened run (--groups boundaries,speculative)
+
+
+def use_groups(names: list[str]) -> None:
+    """Restrict the run, its listing and its report to these groups (in this order)."""
+    global GROUPS, SCOPE, GROUP_OF
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        sys.exit(f"unknown group(s) {', '.join(unknown)}; known: {', '.join(GROUPS)}")
+    GROUPS = {n: GROUPS[n] for n in names}
+    SCOPE = {p: pats for g in GROUPS.values() for p, pats in g["scope"].items()}
+    GROUP_OF = {p: name for name, g in GROUPS.items() for p in g["scope"]}
+
+
+def present_tests(tests: list[str]) -> list[str]:
+    """The group's tests that exist in this checkout (a "before" run from an older commit lacks the new files)."""
+    return [t for t in tests if (ROOT / t.partition("::")[0]).exists()]
 
 SAMPLE_MOD = 8  # keep 1 mutant in SAMPLE_MOD (see "Sampling" above)
 
@@ -202,7 +295,7 @@ def prepare_group(workdir: Path, group: str, timeout_multiplier: float = 15.0) -
     toml += "\n[tool.mutmut]\n" + "\n".join([
         'source_paths = ["src"]',
         f"only_mutate = {json.dumps(sorted(GROUPS[group]['scope']))}",
-        f"pytest_add_cli_args_test_selection = {json.dumps(GROUPS[group]['tests'])}",
+        f"pytest_add_cli_args_test_selection = {json.dumps(present_tests(GROUPS[group]['tests']))}",
         'pytest_add_cli_args = ["-p", "no:cacheprovider"]',
         'process_isolation = "forkserver"',
         "use_git_change_detection = false",
@@ -319,9 +412,13 @@ def report(base: Path, label: str, out: Path, info: dict[str, dict], mod: int, w
         "- Tests: per mutant, mutmut runs (`pytest -x`) only those of its group's tests that call the mutated function:",
     ]
     for name, g in GROUPS.items():
-        lines.append(f"  - {name}: `pytest -x -q {' '.join(g['tests'])}`")
+        lines.append(f"  - {name}: `pytest -x -q {' '.join(present_tests(g['tests']))}`")
+        missing = [t for t in g["tests"] if t not in present_tests(g["tests"])]
+        if missing:
+            lines.append(f"    (not at this commit: {', '.join(f'`{t}`' for t in missing)})")
     if wall_s is not None:
-        lines.append(f"- Wall time of the mutmut run: {wall_s / 60:.1f} min (2 shared CPU cores, other jobs running, nice 15)")
+        lines.append(f"- Wall time of the mutmut run: {wall_s / 60:.1f} min (2 shared CPU cores, other jobs running, "
+                     f"nice {os.nice(0)})")
     lines += ["", "## Modules and functions in scope", ""]
     for p, pats in SCOPE.items():
         lines.append(f"- `{p}`: {', '.join(f'`{x}`' for x in pats)}")
@@ -415,6 +512,7 @@ def main() -> None:
                     help="with --resume: also re-run mutants whose verdict is a timeout (use a larger --timeout-multiplier)")
     ap.add_argument("--groups", default=",".join(GROUPS), help="groups to run, in this order")
     args = ap.parse_args()
+    use_groups(args.groups.split(","))
     workdir = (args.workdir or Path(f"/tmp/tgi-vlm-mutation-{args.label}")).resolve()
     out = (args.out or ROOT / f"benchmarks/results/mutation-{args.label}.md").resolve()
 
