@@ -7,9 +7,8 @@ content hash (sha256 of its bytes), its offset and its length — so two prompts
 the first block that holds an image token. Keys are sha256: a prefix cache keyed by a weak hash can
 be made to collide. Only full blocks have keys; a partial last block is never shared.
 
-A non-image item's record also names its kind (`media_record`): the same bytes as an image and as
-another kind give different features, so different K/V. An image's record carries no kind: image
-records are what they were before kinds existed, and a new kind changes no existing key.
+Every item's record names its kind first (`media_record`): the same bytes as an image and as another
+kind give different features, so different K/V.
 
 The chain starts from a namespace, `namespace_root(adapter_id, salt)`: everything besides the tokens
 and media that changes what a block's K/V hold (a LoRA adapter changes every layer's K and V; a
@@ -79,8 +78,6 @@ def chain_key(parent: bytes, ids: Sequence[int], media: Sequence[MediaRef], star
 
 
 def media_record(ref: MediaRef) -> bytes:
-    """What a block key takes from an item overlapping it. "i" records are images; "m" records name
-    their kind first, so no record of one kind reads as one of another."""
-    if ref.kind is MediaKind.IMAGE:
-        return f"i{ref.offset}:{ref.length}:{ref.digest}".encode()
+    """What a block key takes from an item overlapping it: its kind first, so no record of one kind reads
+    as one of another, then its place and content hash."""
     return f"m{ref.kind.value}:{ref.offset}:{ref.length}:{ref.digest}".encode()

@@ -136,8 +136,8 @@ def test_static_metadata_views_the_static_buffers():
 def _adapter_context(adapters: list[int]) -> StepContext:
     """A decode step's context: one row per sequence."""
     n = len(adapters)
-    return StepContext(request_ids=tuple(range(n)), row_starts=tuple(range(n + 1)), adapter_ids=("x",) * n,
-                       adapters=tuple(adapters), device=torch.device("cpu"))
+    return StepContext(request_ids=tuple(range(n)), row_starts=tuple(range(n + 1)), adapters=tuple(adapters),
+                       device=torch.device("cpu"))
 
 
 def test_fill_copies_each_rows_adapter_into_the_static_buffer_and_padding_rows_get_the_base_model():
@@ -152,12 +152,6 @@ def test_fill_copies_each_rows_adapter_into_the_static_buffer_and_padding_rows_g
         assert static.adapters.tolist() == adapters + [0] * (4 - b)  # no stale index from the larger step
     static.fill(plan_replay(meta, (4,), 16), torch.zeros(1, 2), torch.zeros(1, 1, dtype=torch.long), meta, None)
     assert static.adapters.tolist() == [0, 0, 0, 0]  # no context: every row the base model
-
-
-def test_the_graphed_context_layers_read_views_the_static_adapter_buffer():
-    static, _, _, _ = _filled([5, 9, 2])
-    assert static.context.graphed and static.context.row_adapter is static.adapters
-    assert static.adapters.shape == (4,) and static.adapters.dtype == torch.long
 
 
 def test_fill_refuses_a_context_of_another_step():

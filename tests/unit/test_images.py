@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image, ImageFile
@@ -14,6 +15,8 @@ from tgi_vlm.models.vlm_intake import prompt_parts
 from tgi_vlm.testing.harness import make_request
 
 LIMITS = InputLimits()
+# What prompt_parts asks of the architecture: only whether it takes the kind.
+PROMPT_TAKING_IMAGES = SimpleNamespace(require=lambda kind: None)
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> bytes:
@@ -48,7 +51,7 @@ def test_the_format_is_sniffed_and_the_mimetype_label_ignored(fmt, label):
     data = encode(Image.new("RGB", (20, 12), (200, 10, 10)), fmt)
     request = make_request(1, "see ", data, mimetype=label)
     assert request.input_chunks.chunks[1].image.mimetype == label
-    parts, images, _ = prompt_parts(request, LIMITS)
+    parts, images, _ = prompt_parts(PROMPT_TAKING_IMAGES, request, LIMITS)
     assert parts == ["see ", MediaKind.IMAGE] and images[0].size == (20, 12)
 
 

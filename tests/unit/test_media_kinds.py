@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.media import MediaKind
 from tgi_vlm.models.architectures import adapter_for, supported_model_types
@@ -49,13 +50,22 @@ def test_every_architecture_takes_images_and_refuses_another_kind_naming_both(mo
     prompt = adapter.prompt
     assert prompt.media_kinds == (MediaKind.IMAGE,)
     assert prompt.media_token_id(MediaKind.IMAGE) == 7
-    message = f"model_type '{model_type}' ({type(prompt).__name__}) takes no video inputs; it takes: image"
-    for call in (lambda: prompt.placeholder(VIDEO), lambda: prompt.media_token_id(VIDEO),
-                 lambda: prompt.media_inputs(VIDEO, object()), lambda: prompt.only_media_inputs(VIDEO, {}),
-                 lambda: adapter.encode(VIDEO, [{}])):
-        with pytest.raises(UnsupportedMediaKind) as info:
-            call()
-        assert str(info.value) == message
+    prompt.require(MediaKind.IMAGE)
+    with pytest.raises(UnsupportedMediaKind) as info:
+        prompt.require(VIDEO)
+    assert str(info.value) == f"model_type '{model_type}' ({type(prompt).__name__}) takes no video inputs; it takes: image"
+
+
+def test_intake_refuses_a_kind_the_architecture_does_not_take_as_the_request_s_error(monkeypatch):
+    """prompt_parts is the one place kinds are checked: a chunk of another kind is an InvalidRequest naming the
+    request, before anything is decoded."""
+    from tgi_vlm.models import vlm_intake
+
+    prompt = adapter_for("qwen2_vl")(None, *fake_prompt_inputs("qwen2_vl")).prompt
+    monkeypatch.setattr(vlm_intake, "request_chunks", lambda request: ["see ", MediaChunk(VIDEO, b"x")])
+    with pytest.raises(InvalidRequest, match="takes no video inputs") as info:
+        vlm_intake.prompt_parts(prompt, make_request(5, "see "), InputLimits())
+    assert info.value.request_id == 5
 
 
 def test_a_prompt_part_names_the_kind_whose_placeholder_goes_there():
@@ -104,11 +114,6 @@ def span(kind, digest=DIGEST) -> MediaSpan:
     return MediaSpan(kind, 0, 6, 4, torch.arange(4), 4, digest, {})
 
 
-def test_an_image_s_block_key_record_is_what_it_was_before_kinds():
-    ref = MediaRef(MediaKind.IMAGE, 6, 4, DIGEST)
-    assert media_record(ref) == f"i6:4:{DIGEST}".encode()
-
-
 def test_the_same_bytes_as_another_kind_give_another_block_key():
     ids = list(range(12))
     image, other = MediaRef(MediaKind.IMAGE, 6, 4, DIGEST), MediaRef(VIDEO, 6, 4, DIGEST)
@@ -117,7 +122,3 @@ def test_the_same_bytes_as_another_kind_give_another_block_key():
     assert chain_key(root, ids, [image], 4, 8) != chain_key(root, ids, [other], 4, 8)
 
 
-def test_a_span_s_ref_and_encoder_key_carry_its_kind():
-    assert span(MediaKind.IMAGE).ref == MediaRef(MediaKind.IMAGE, 6, 4, DIGEST)
-    assert span(MediaKind.IMAGE).feature_key == (MediaKind.IMAGE, DIGEST)
-    assert span(VIDEO).feature_key != span(MediaKind.IMAGE).feature_key

@@ -2,7 +2,7 @@
 
 A step packs the tokens of several sequences into rows `[0, T)` (`models/step.py`). Attention learns
 where each sequence's rows are from its own metadata; everything else a layer may need per row (which
-request, which LoRA adapter, later which media) is here. The model runner builds one `StepContext`
+request, which LoRA adapter; media when a kind needs it) is here. The model runner builds one `StepContext`
 per step (`build_step`) and sets it around the language model's forward with `using(ctx)`; a layer
 reads it with `current()`, so no new argument is threaded through transformers' modules. Outside
 that forward (plain transformers, the vision tower, tests calling a layer directly) `current()` is None:
@@ -20,7 +20,6 @@ describe the capture, not the replay.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -41,10 +40,6 @@ class AdapterRows:
     ranges: tuple[tuple[int, int], ...]
     rows: torch.Tensor
 
-    @property
-    def num_rows(self) -> int:
-        return sum(end - start for start, end in self.ranges)
-
 
 @dataclass(frozen=True, eq=False)
 class StepContext:
@@ -53,27 +48,24 @@ class StepContext:
 
     request_ids: tuple[int, ...]  # [B] the router's request ids
     row_starts: tuple[int, ...]  # [B + 1] first row of each sequence, then T
-    adapter_ids: tuple[str, ...]  # [B] the request's adapter_id ("" = none)
     adapters: tuple[int, ...]  # [B] adapter index (BASE_ADAPTER = 0 for the base model)
     device: torch.device
-    # Reserved for media (video) per sequence; empty until a layer needs it.
-    media: tuple[object, ...] = ()
     # Graphed contexts only: the static [S] adapter-index buffer a replay copies into.
     static_adapters: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         b = len(self.request_ids)
-        if len(self.row_starts) != b + 1 or len(self.adapter_ids) != b or len(self.adapters) != b:
-            raise ValueError(f"step context: {b} request ids, {len(self.row_starts)} row starts, "
-                             f"{len(self.adapter_ids)} adapter ids and {len(self.adapters)} adapter indices "
-                             "(want B, B + 1, B and B)")
+        if len(self.row_starts) != b + 1 or len(self.adapters) != b:
+            raise ValueError(f"step context: {b} request ids, {len(self.row_starts)} row starts and "
+                             f"{len(self.adapters)} adapter indices (want B, B + 1 and B)")
 
     @classmethod
     def for_graph(cls, size: int, device: torch.device | str) -> StepContext:
         """The context a captured decode graph of `size` rows sees: row i is sequence i, and
-        `row_adapter` is a static buffer of zeros that each replay refills (`StaticDecodeInputs.fill`)."""
+        `row_adapter` is a static buffer of zeros that each replay refills (`StaticDecodeInputs.fill`). Its
+        request ids are placeholders (-1): inside a graph only `row_adapter` means anything."""
         device = torch.device(device)
-        return cls(request_ids=(0,) * size, row_starts=tuple(range(size + 1)), adapter_ids=("",) * size,
+        return cls(request_ids=(-1,) * size, row_starts=tuple(range(size + 1)),
                    adapters=(BASE_ADAPTER,) * size, device=device,
                    static_adapters=torch.zeros(size, dtype=torch.long, device=device))
 
@@ -90,20 +82,6 @@ class StepContext:
     def graphed(self) -> bool:
         """Inside a captured graph: read `row_adapter` only (the host fields are the capture's)."""
         return self.static_adapters is not None
-
-    @property
-    def uses_adapters(self) -> bool:
-        """Some row of this step runs an adapter (not meaningful for a graphed context)."""
-        return any(a != BASE_ADAPTER for a in self.adapters)
-
-    def rows_of(self, seq: int) -> range:
-        return range(self.row_starts[seq], self.row_starts[seq + 1])
-
-    def seq_of_row(self, row: int) -> int:
-        """The step sequence (index into `request_ids`) that packed row `row` belongs to."""
-        if not 0 <= row < self.num_rows:
-            raise IndexError(f"row {row} is outside the step's {self.num_rows} rows")
-        return bisect.bisect_right(self.row_starts, row) - 1
 
     @cached_property
     def adapter_ranges(self) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -137,7 +115,7 @@ class StepContext:
         """`[T]` long: the adapter index of every row (graphed: the static buffer, refilled per replay)."""
         if self.static_adapters is not None:
             return self.static_adapters
-        if not self.uses_adapters:
+        if all(a == BASE_ADAPTER for a in self.adapters):
             return torch.zeros(self.num_rows, dtype=torch.long, device=self.device)
         return torch.tensor(self.adapters, dtype=torch.long)[self._host_row_seq].to(self.device)
 

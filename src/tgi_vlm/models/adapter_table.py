@@ -24,11 +24,6 @@ class AdapterTable:
             raise ValueError(f"adapter names must be unique and non-empty, got {list(names)}")
         self._index = {"": BASE_ADAPTER} | {name: i + 1 for i, name in enumerate(names)}
 
-    @property
-    def names(self) -> list[str]:
-        """Loaded adapters, by index (the base model's "" not included)."""
-        return list(self._index)[1:]
-
     def resolve(self, adapter_id: str) -> int:
         """The index of `adapter_id`; an unknown name gets the base model (see the module docstring)."""
         return self._index.get(adapter_id, BASE_ADAPTER)

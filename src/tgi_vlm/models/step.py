@@ -116,7 +116,6 @@ def step_context(windows: list[SeqWindow], device: torch.device) -> StepContext:
     return StepContext(
         request_ids=tuple(w.seq.request_id for w in windows),
         row_starts=tuple(w.row for w in windows) + (windows[-1].row + windows[-1].num_tokens,),
-        adapter_ids=tuple(w.seq.adapter_id for w in windows),
         adapters=tuple(w.seq.adapter_index for w in windows),
         device=torch.device(device),
     )

@@ -61,7 +61,7 @@ class VlmCausalLM(FlashCausalLM):
 
     # ----- requests (vlm_intake.py) -----
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
-        parts, items, digests = prompt_parts(request, self.config.limits)
+        parts, items, digests = prompt_parts(self.adapter.prompt, request, self.config.limits)
         try:
             ids, processed, spans = tokenize_media(self.adapter.prompt, request, parts, items, digests, warmup=warmup)
         except MediaCutInWarmup as cut:

@@ -19,7 +19,7 @@ from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidRequest
 from tgi_vlm.images import ImageError, decode_image
 from tgi_vlm.media import MediaKind
-from tgi_vlm.models.architectures.base import PromptPart, VlmPrompt
+from tgi_vlm.models.architectures.base import PromptPart, UnsupportedMediaKind, VlmPrompt
 from tgi_vlm.models.media_spans import MediaSpan, locate_spans
 from tgi_vlm.models.request_input import request_chunks
 from tgi_vlm.pb import generate_pb2
@@ -51,8 +51,10 @@ def media_kinds(parts: list[PromptPart]) -> list[MediaKind]:
     return [p for p in parts if not isinstance(p, str)]
 
 
-def prompt_parts(request: generate_pb2.Request, limits: InputLimits) -> tuple[list[PromptPart], list, list[str]]:
-    """(parts: text, or the kind of the item that goes there; the decoded items; sha256 of each item's bytes)."""
+def prompt_parts(prompt: VlmPrompt, request: generate_pb2.Request, limits: InputLimits,
+                 ) -> tuple[list[PromptPart], list, list[str]]:
+    """(parts: text, or the kind of the item that goes there; the decoded items; sha256 of each item's bytes).
+    The one place a kind is checked against the architecture: past here every item is one it takes."""
     parts: list[PromptPart] = []
     items, digests = [], []
     per_kind: Counter[MediaKind] = Counter()
@@ -60,6 +62,10 @@ def prompt_parts(request: generate_pb2.Request, limits: InputLimits) -> tuple[li
         if isinstance(chunk, str):
             parts.append(chunk)
             continue
+        try:
+            prompt.require(chunk.kind)
+        except UnsupportedMediaKind as exc:
+            raise InvalidRequest(request.id, str(exc)) from None
         decoder, n = DECODERS[chunk.kind], per_kind[chunk.kind]
         if n >= decoder.max_per_request(limits):
             raise InvalidRequest(request.id, f"more than {decoder.max_per_request(limits)} {chunk.kind.plural} "
@@ -110,10 +116,10 @@ def prompt_spans(request: generate_pb2.Request, prompt: VlmPrompt, ids: list[int
     except ValueError as exc:
         raise InvalidRequest(request.id, str(exc)) from None
     pixel_inputs = pixel_inputs if pixel_inputs is not None else [{} for _ in counts]
-    return [
-        MediaSpan(kind, i, offset, length, embed_index, int((embed_index >= 0).sum()), digest, pixels)
-        for i, (kind, (offset, length, embed_index), pixels, digest)
-        in enumerate(zip(kinds, located, pixel_inputs, digests))
+    return [  # locate_spans gave each item exactly counts[i] embedding rows
+        MediaSpan(kind, i, offset, length, embed_index, count, digest, pixels)
+        for i, (kind, (offset, length, embed_index), count, pixels, digest)
+        in enumerate(zip(kinds, located, counts, pixel_inputs, digests))
     ]
 
 

@@ -155,7 +155,7 @@ class TokenCounter:
             return list(self._text_ids(request))
         from tgi_vlm.models.vlm_intake import process_prompt, prompt_parts
 
-        parts, items, _ = prompt_parts(request, self.limits)
+        parts, items, _ = prompt_parts(self.prompt, request, self.limits)
         expanded = self._expanded(request, parts, items)
         if expanded is not None:
             return expanded[0]
@@ -166,7 +166,7 @@ class TokenCounter:
             return PromptTokens(truncate_ids(self._text_ids(request), request.truncate), [])
         from tgi_vlm.models.vlm_intake import media_kinds, prompt_parts, tokenize_media
 
-        parts, items, digests = prompt_parts(request, self.limits)
+        parts, items, digests = prompt_parts(self.prompt, request, self.limits)
         expanded = self._expanded(request, parts, items)
         if expanded is not None:
             return self._tokens_from_counts(request, media_kinds(parts), *expanded, digests)

@@ -60,13 +60,11 @@ class VlmPrompt:
 
     def media_token_id(self, kind: MediaKind) -> int:
         """The token id whose positions take the encoder rows of `kind` items (the processor expands
-        each placeholder into them)."""
-        self.require(kind)
+        each placeholder into them). Kinds are checked once, at intake (`vlm_intake.prompt_parts`)."""
         return self.media_token_ids[kind]
 
     def placeholder(self, kind: MediaKind) -> str:
         """Text standing for one item of `kind` in the prompt; the processor expands it."""
-        self.require(kind)
         return self.processor.image_token
 
     def build_prompt(self, parts: list[PromptPart]) -> str:
@@ -96,7 +94,6 @@ class VlmPrompt:
     def only_media_inputs(self, kind: MediaKind, processed: dict) -> dict:
         """The pixel inputs of a prompt's only item, out of the whole-prompt processor output: with one
         item every non-text output belongs to it (what `media_inputs` would compute again)."""
-        self.require(kind)
         return {k: v for k, v in processed.items() if k not in TEXT_KEYS}
 
     def media_inputs(self, kind: MediaKind, item) -> tuple[dict, int]:
@@ -138,7 +135,6 @@ class VlmAdapter:
 
     def encode(self, kind: MediaKind, inputs: list[dict]) -> list[torch.Tensor]:
         """Encoder features `[num_embed_i, hidden]` for each item of `kind` (its pixel inputs), in order."""
-        self.prompt.require(kind)
         if not self.batch_encode:
             return [self._encode_one(kind, p) for p in inputs]
         groups: dict[tuple, list[int]] = {}

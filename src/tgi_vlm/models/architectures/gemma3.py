@@ -12,7 +12,6 @@ from tgi_vlm.models.architectures.registry import register
 
 class Gemma3Prompt(VlmPrompt):
     def placeholder(self, kind: MediaKind) -> str:
-        self.require(kind)
         return self.processor.boi_token  # the processor expands <start_of_image> into the full block
 
     def bidirectional_groups(self, processed: dict, input_ids: list[int], spans: list) -> torch.Tensor | None:

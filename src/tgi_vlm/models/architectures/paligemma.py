@@ -33,7 +33,6 @@ class PaliGemmaPrompt(VlmPrompt):
         return out
 
     def only_media_inputs(self, kind: MediaKind, processed: dict) -> dict:
-        self.require(kind)
         return {"pixel_values": processed["pixel_values"]}
 
     def media_inputs(self, kind: MediaKind, item) -> tuple[dict, int]:

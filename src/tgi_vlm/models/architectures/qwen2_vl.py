@@ -26,7 +26,6 @@ class MropePositions:
 
 class Qwen2VLPrompt(VlmPrompt):
     def placeholder(self, kind: MediaKind) -> str:
-        self.require(kind)
         # The chat template wraps the pad token; the processor expands only <|image_pad|>.
         return "<|vision_start|>" + self.processor.image_token + "<|vision_end|>"
 
@@ -69,7 +68,6 @@ class Qwen2VLAdapter(VlmAdapter):
 
     def encode(self, kind: MediaKind, inputs: list[dict]) -> list[torch.Tensor]:
         # One vision call for all images: the tower keeps images apart through cu_seqlens.
-        self.prompt.require(kind)
         device, dtype = self.vision_device_dtype()
         pixels = torch.cat([p["pixel_values"] for p in inputs])
         grids = torch.cat([p["image_grid_thw"] for p in inputs])
