@@ -161,7 +161,7 @@ GROUPS: dict[str, dict] = {
             "src/tgi_vlm/prefix_hash.py": ["*"],  # the content-key chain of KV blocks
             "src/tgi_vlm/router/prefix_cache.py": ["*"],  # the driver's prefix cache (refs, index, LRU)
             "src/tgi_vlm/models/encoder_cache.py": ["*"],  # per-request entries and the byte-bounded LRU
-            # the checks at the native ops' entry points. The ops themselves are @torch.library.custom_op functions,
+            # the checks at the native ops' entry points. The ops themselves are functions decorated by ops._op,
             # which mutmut does not mutate (decorated): their checks live in these helpers, except rotary_and_store's
             # and skinny_linear's inline slot/row checks (planted by hand: benchmarks/mutation/planted.py).
             "src/tgi_vlm/kernels/cpu/ops.py": [

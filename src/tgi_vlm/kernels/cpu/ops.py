@@ -1,7 +1,10 @@
 """The native CPU kernels as torch ops, namespace `tgi_vlm` (`torch.ops.tgi_vlm.<name>`).
 
-Each op is a `torch.library.custom_op` with a fake implementation, so it shows in the profiler under its name and
-torch.compile traces it without running it. The C code indexes raw memory: every op checks, at its own entry, what
+Each op is defined with `torch.library.Library` (schema + CPU kernel) and a fake implementation, so it shows in the
+profiler under its name and torch.compile traces it without running it. Not `torch.library.custom_op`: its Python
+wrapper cost ~35 us per call on the AVX2 host against ~18 us for this registration (paired, 13 rows of RMSNorm:
+custom_op 40.3, Library 21.8, the Python body 14.5, torch's own norm 32.6 us), and the lean layer calls three ops
+per layer. The C code indexes raw memory: every op checks, at its own entry, what
 would otherwise read or write outside its tensors (shapes, dtypes, contiguity, alignment, and every index: the
 largest and the smallest slot are read from the slot tensors themselves, never taken from the caller), and refuses
 with a ValueError. Those checks come before the library is looked up, so they hold where it is not built as well.
@@ -27,6 +30,23 @@ from tgi_vlm.kernels.cpu import library
 
 MAX_HEAD_DIM = 256  # decode_attention.c's MAX_HEAD_DIM
 _DTYPE_CODES = library.DTYPE_CODES
+
+
+_LIBRARY = torch.library.Library("tgi_vlm", "DEF")
+
+
+def _op(schema: str, fake):
+    """Define `tgi_vlm::<schema>` with the decorated function as its CPU kernel and `fake` as its meta kernel;
+    returns the op (`torch.ops.tgi_vlm.<name>.default`), which callers call like the function."""
+    name = schema.split("(", 1)[0]
+
+    def register(kernel):
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, kernel, "CPU")
+        torch.library.register_fake(f"tgi_vlm::{name}", fake, lib=_LIBRARY)
+        return getattr(torch.ops.tgi_vlm, name).default
+
+    return register
 
 
 _SMALL = 256  # up to this many indices, min/max of a host list is cheaper than aminmax and two read-backs
@@ -113,7 +133,8 @@ def _decode_index_problem(q: torch.Tensor, k_cache: torch.Tensor, slot_index: to
     return None
 
 
-@torch.library.custom_op("tgi_vlm::decode_attention", mutates_args=("out",), device_types="cpu")
+@_op("decode_attention(Tensor q, Tensor(a!) out, Tensor k_cache, Tensor v_cache, Tensor slot_index, "
+     "Tensor row_spans, float scale) -> ()", lambda *args: None)
 def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_index: torch.Tensor, row_spans: torch.Tensor, scale: float) -> None:
     """Decode rows of `q` `[T, Hq, D]` attend over their cached positions; results go to the same rows of `out`
@@ -139,11 +160,6 @@ def decode_attention(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, 
         raise MemoryError("tgi_vlm::decode_attention: no memory for a thread's scratch buffers")
     if status != 0:  # the checks above are the library's: this is a bug, not bad input
         raise RuntimeError(f"tgi_vlm::decode_attention refused dtype {q.dtype}, head_dim {head_dim}")
-
-
-@decode_attention.register_fake
-def _(q, out, k_cache, v_cache, slot_index, row_spans, scale) -> None:
-    return None
 
 
 def decode_attention_dtypes() -> frozenset[torch.dtype]:
@@ -191,7 +207,13 @@ def _rotary_problem(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_h
     return None
 
 
-@torch.library.custom_op("tgi_vlm::rotary_and_store", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+def _rotary_fake(qkv, cos, sin, q_heads, k_cache, v_cache, slots):
+    tokens, kv_heads, head_dim = qkv.shape[1], k_cache.shape[1], k_cache.shape[2]
+    return qkv.new_empty(tokens, q_heads, head_dim), qkv.new_empty(tokens, kv_heads, head_dim)
+
+
+@_op("rotary_and_store(Tensor qkv, Tensor cos, Tensor sin, int q_heads, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+     "Tensor slots) -> (Tensor, Tensor)", _rotary_fake)
 def rotary_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary of the query and key heads of a fused product `qkv` `[1, T, (Hq + 2 Hkv) D]` (`cos`/`sin`
@@ -219,12 +241,6 @@ def rotary_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     return q, k
 
 
-@rotary_and_store.register_fake
-def _(qkv, cos, sin, q_heads, k_cache, v_cache, slots):
-    tokens, kv_heads, head_dim = qkv.shape[1], k_cache.shape[1], k_cache.shape[2]
-    return qkv.new_empty(tokens, q_heads, head_dim), qkv.new_empty(tokens, kv_heads, head_dim)
-
-
 def can_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> bool:
     """Whether `rotary_and_store` takes this layer's fused product, rotary tables and flat caches (the slots are
@@ -244,7 +260,7 @@ def _norm_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
-@torch.library.custom_op("tgi_vlm::rms_norm", mutates_args=(), device_types="cpu")
+@_op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", lambda x, weight, eps: x.new_empty(x.shape))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama-family RMSNorm of `x` `[..., H]` (a new contiguous tensor): the same steps except the sum
     of squares (in double here), so outputs may differ from torch's in the last places (csrc/rms_norm.c;
@@ -260,11 +276,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if status != 0:
             raise RuntimeError(f"tgi_vlm::rms_norm refused dtype {x.dtype}")
     return out
-
-
-@rms_norm.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape)
 
 
 def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -309,7 +320,8 @@ def _linear_problem(x: torch.Tensor, blocked: torch.Tensor, out_features: int, b
     return None
 
 
-@torch.library.custom_op("tgi_vlm::skinny_linear", mutates_args=(), device_types="cpu")
+@_op("skinny_linear(Tensor x, Tensor blocked, int out_features, Tensor? bias) -> Tensor",
+     lambda x, blocked, out_features, bias: x.new_empty(x.shape[0], out_features))
 def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """float32 `x` `[rows, in]` (1 <= rows <= `skinny_max_rows()`, contiguous) times a weight in `blocked_weight`'s
     layout, plus `bias` `[out]`: `[rows, out]`. Sums in float32 in another order than MKL's (within float32
@@ -327,8 +339,3 @@ def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bia
     if status != 0:
         raise RuntimeError(f"tgi_vlm::skinny_linear refused {rows} rows of {in_features} -> {out_features}")
     return out
-
-
-@skinny_linear.register_fake
-def _(x, blocked, out_features, bias):
-    return x.new_empty(x.shape[0], out_features)
