@@ -48,6 +48,7 @@ import tgi_vlm.layers.linear.plan as linear_plan
 from tgi_vlm.config import EngineConfig, KernelSettings
 from tgi_vlm.kernels import cpu as cpu_kernels
 from tgi_vlm.layers.cpu_decoder import remove_lean_layers
+from tgi_vlm.layers.linear.kernels import mkl_packs_float32
 from tgi_vlm.models import get_model
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.harness import make_batch, make_request
@@ -62,7 +63,7 @@ def _unpadded_causal(q, k, v, scaling):
 
 
 PADDED_CAUSAL = torch_backend.causal_attention
-MKL_PACKS_FLOAT32 = linear_plan.mkl_packs_float32
+MKL_SERVES_FLOAT32 = linear_plan.mkl_serves_float32
 # path -> (its KernelSettings field, the op that runs with it)
 KERNEL_PATHS = {"native-attention": ("native_attention", "decode_attention"),
                 "native-rotary": ("native_rotary", "rotary_and_store"), "native-norm": ("native_norm", "rms_norm"),
@@ -77,11 +78,11 @@ class Side:
         kernels = KernelSettings.from_env()
         if path in KERNEL_PATHS:
             kernels = replace(kernels, **{KERNEL_PATHS[path][0]: with_path})
-        if path == "mkl-float32":  # the linear plan reads it at load
-            linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32 if with_path else (lambda: False)
+        if path == "mkl-float32":  # the linear plan reads it at load; with the path: MKL wherever torch has it
+            linear_plan.mkl_serves_float32 = mkl_packs_float32 if with_path else (lambda: False)
         self.engine = get_model(model, EngineConfig(device="cpu", cpu_kv_cache_bytes=1 << 30, dtype=dtype,
                                                     kernels=kernels))
-        linear_plan.mkl_packs_float32 = MKL_PACKS_FLOAT32
+        linear_plan.mkl_serves_float32 = MKL_SERVES_FLOAT32
         self.engine.prefill_budget = 2048
         if path == "lean-layers" and not with_path:
             removed = remove_lean_layers(self.engine.language_model)

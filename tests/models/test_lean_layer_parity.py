@@ -62,11 +62,11 @@ def test_other_layers_keep_transformers_forward(arch):
 def test_long_prefills_stay_bit_for_bit(dtype, mkl, monkeypatch):
     """Prefills past 32 rows (oneDNN pads those rows: bf16, and float32 without MKL; MKL's float32 products take
     them as they are) beside decode rows: still transformers' values, bit for bit."""
-    from tgi_vlm.layers.linear import plan
+    from tgi_vlm.layers.linear import kernels, plan
     from tgi_vlm.testing.harness import Runner, make_request
 
-    if not mkl:
-        monkeypatch.setattr(plan, "mkl_packs_float32", lambda: False)
+    # MKL's float32 products where torch has them (the plan's choice on Intel CPUs), else oneDNN's (AMD's choice)
+    monkeypatch.setattr(plan, "mkl_serves_float32", lambda: mkl and kernels.mkl_packs_float32())
     words = "the cat sat on a mat and looked at the dog who ran away from it".split()
     runs = []
     for lean in (True, False):

@@ -10,7 +10,7 @@ from tests.conftest import load_engine
 from tests.models.reference import assert_matches
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.errors import InvalidBatch
-from tgi_vlm.layers.linear.kernels import mkl_packs_float32
+from tgi_vlm.layers.linear.kernels import mkl_serves_float32
 from tgi_vlm.media import MediaKind
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.warmup import warmup_request
@@ -40,7 +40,7 @@ def test_router_shaped_warmup_succeeds(engine):
 def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, monkeypatch):
     """After the warmup batch (which packs what it uses), oneDNN's kernels for every row bucket up to the
     prefill budget are built (layers/linear/plan.py `prime_packed_kernels`), not left to the first serving steps;
-    MKL's float32 products build nothing and are not run (these engines are float32: without MKL, oneDNN's)."""
+    MKL's float32 products build nothing and are not run (these engines are float32: oneDNN's where MKL does not serve)."""
     import tgi_vlm.models.warmup as warmup_module
     from tgi_vlm.layers.linear.kernels import row_buckets
     from tgi_vlm.layers.linear.plan import packed_products
@@ -52,7 +52,7 @@ def test_warmup_on_cpu_builds_the_kernels_of_every_prefill_row_bucket(engine, mo
     engine.warmup(router_warmup())
     padded = packed_products(engine.model)  # the packed kernels that build per row count, made by the warmup batch
     caps = {engine.lm_head: 256} if engine.lm_head is not None else {}
-    assert (len(padded) == 0) == mkl_packs_float32()
+    assert (len(padded) == 0) == mkl_serves_float32()
     built = (len(padded) * len(row_buckets(80)), row_buckets(80)[-1]) if padded else (0, 0)
     assert primed == [(engine.model, 80, caps, built)]
 

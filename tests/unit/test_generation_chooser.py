@@ -152,3 +152,20 @@ def test_a_grammar_mask_limits_its_rows_and_leaves_the_others_exact() -> None:
         assert out.logprobs[2] == 0.0  # the only allowed token
         assert torch.isfinite(out.logprob_rows[0]).nonzero()[:, 0].tolist() == [5, 9]
         torch.testing.assert_close(out.logprob_rows[1], torch.log_softmax(logits[1], -1), rtol=0, atol=0)
+
+
+def test_the_chosen_logprob_without_rows_is_one_logsumexp_equal_to_log_softmax() -> None:
+    """Without top-n (`keep_logprob_rows=False`) no [B, V] log-probs are made: the chosen token's log-prob is its
+    score minus the row's logsumexp, equal to log_softmax's within float32 rounding, for greedy, processed and
+    grammar-masked rows alike (a masked -inf score does not turn the sum into a NaN)."""
+    logits = step_logits(7, rows=3) * 4
+    allowed = torch.ones(3, VOCAB, dtype=torch.bool)
+    allowed[1, ::2] = False
+    for choosers in ([chooser()] * 3, [chooser(), chooser(repetition_penalty=1.3), chooser(do_sample=True, seed=5)]):
+        kept = choose_tokens(logits, choosers, [[1, 2]] * 3, allowed=allowed)
+        lean = choose_tokens(logits, choosers, [[1, 2]] * 3, allowed=allowed, keep_logprob_rows=False)
+        assert lean.logprob_rows is None and kept.logprob_rows is not None
+        assert lean.ids == kept.ids
+        want = [float(kept.logprob_rows[i, t]) for i, t in enumerate(kept.ids)]
+        assert lean.logprobs == pytest.approx(want, abs=1e-5) and kept.logprobs == pytest.approx(want, abs=0)
+        assert all(v <= 0 for v in lean.logprobs)

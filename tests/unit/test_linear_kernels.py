@@ -122,7 +122,9 @@ def test_mkl_packed_float32_layout_does_not_depend_on_the_row_count_it_was_packe
 @needs_mkl
 def test_a_shape_whose_packed_layout_disagrees_is_planned_on_onednn(monkeypatch):
     """The per-shape check can fail (here: a matrix packed from another weight); the plan then gives that shape
-    oneDNN's kernel, which multiplies correctly."""
+    oneDNN's kernel, which multiplies correctly (on an Intel CPU, the only vendor MKL serves)."""
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(plan, "cpu_vendor", lambda: "GenuineIntel")
     torch.manual_seed(0)
     weight, other = torch.randn(40, 72), torch.randn(40, 72)
     generator = torch.Generator().manual_seed(0)

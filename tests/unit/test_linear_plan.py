@@ -14,6 +14,7 @@ from tgi_vlm.layers.linear import KernelLinear, LinearPlan, PlanOptions, fused_g
 from tgi_vlm.layers.linear import kernels as kernels_module
 from tgi_vlm.layers.linear.fused import FusedProjections
 from tgi_vlm.layers.linear.kernels import BucketedLinear, MklPackedLinear, OneDnnPackedLinear, TorchLinear
+from tgi_vlm.layers.linear.modules import give_kernel
 from tgi_vlm.testing import make_test_image, png_bytes
 from tgi_vlm.testing.builder import ARCHS, TEXT_ARCHS
 from tgi_vlm.testing.harness import Runner, make_request
@@ -76,8 +77,59 @@ def test_a_cpu_plan_follows_its_rules():
         "fp32": torch.nn.Linear(8, 8)})
     got = plan_linears(model, PlanOptions(cpu=True)).kernels
     bf16 = "onednn-packed" if kernels_module.can_pack_weights(torch.bfloat16) else "torch-bucketed"
-    fp32 = "mkl-packed" if kernels_module.mkl_packs_float32() else "onednn-packed"
+    fp32 = "mkl-packed" if kernels_module.mkl_serves_float32() else "onednn-packed"
+    # without room for a second copy (decode_copy false) the tied head is not packed
     assert got == {"head": "torch-bucketed", "fp16": "torch-bucketed", "bf16": bf16, "fp32": fp32}
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_float32_goes_to_mkl_only_on_intel_and_amd_takes_onednn_for_every_row_count(vendor, monkeypatch):
+    """MKL's packed GEMM on Intel CPUs (with the native loop or not); on AMD, where MKL runs generic code, oneDNN's
+    packed product, with no plain one-row copy (oneDNN is faster there at one row too); the products agree."""
+    monkeypatch.setattr(kernels_module, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(plan, "cpu_vendor", lambda: vendor)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    kernel = plan.choose_kernel(layer, PlanOptions(cpu=True, decode_copy=True))
+    if vendor == "AuthenticAMD":
+        assert type(kernel) is OneDnnPackedLinear
+    elif kernels_module.mkl_packs_float32():
+        assert type(kernel) is MklPackedLinear
+    else:
+        assert kernel.name == "onednn-packed+gemv"
+    kernel_layer = give_kernel(layer, kernel)
+    for rows in (1, 4, 33):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(kernel_layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert layer.weight.numel() == (0 if vendor == "AuthenticAMD" or kernels_module.mkl_packs_float32() else 64 * 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_lm_head_is_packed_where_a_second_copy_fits_and_the_embedding_keeps_its_weight(dtype):
+    """A weight shared by the embedding and the lm-head gets its dtype's packed kernel with the plain weight kept
+    (`...+plain-kept`) when `decode_copy` allows a second copy: the embedding still reads every row, the head's
+    product equals F.linear on the same weight, and no product is fused with it."""
+    if not kernels_module.can_pack_weights(dtype):
+        assert dtype == torch.bfloat16  # an AVX2-only CPU: bf16 cannot be packed, the rule under test is float32's
+        dtype = torch.float32
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(40, 16).to(dtype)
+    head = torch.nn.Linear(16, 40, bias=False).to(dtype)
+    head.weight = embed.weight
+    plain = embed.weight.detach().clone()
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    got = plan_linears(model, PlanOptions(cpu=True, decode_copy=True)).kernels
+    packed = {torch.bfloat16: "onednn-packed",
+              torch.float32: "mkl-packed" if kernels_module.mkl_serves_float32() else "onednn-packed"}[dtype]
+    assert got == {"head": f"{packed}+plain-kept"}
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 16).to(dtype)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(head(x), F.linear(x, plain), **tol)
+    assert head.linear_kernel.ready and embed.weight.shape == (40, 16)
+    ids = torch.tensor([0, 39, 7])
+    torch.testing.assert_close(embed(ids), plain[ids], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("options", [PlanOptions(cpu=False), PlanOptions(cpu=True, sharded=True)],

@@ -383,7 +383,8 @@ class FlashCausalLM(ShardModel):
                 self.logits_observer([s.request_id for s in seqs], logits)
             # Masks follow each grammar as tokens are appended, so a later row sees the accepted ones.
             allowed = self.grammar_masker.allowed([s.grammar for s in seqs], logits.device)  # [B, V] | None
-            chosen = choose_tokens(logits, [s.chooser for s in seqs], [s.all_ids for s in seqs], allowed=allowed)
+            chosen = choose_tokens(logits, [s.chooser for s in seqs], [s.all_ids for s in seqs], allowed=allowed,
+                                   keep_logprob_rows=any(s.top_n_tokens for s in seqs))
             still = []
             for j, (i, seq) in enumerate(zip(active, seqs)):
                 token = chosen.ids[j]

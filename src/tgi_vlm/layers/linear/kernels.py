@@ -13,6 +13,11 @@ of sibling layers' weights (`layers/linear/fused.py`).
 | `MklPackedLinear` | CPU, float32 where torch has MKL's packed GEMM | MKL's packed copy; plain weight released |
 | `MklSkinnyLinear` | as MKL, plus the native decode loop for 1..24 rows where the library loads and memory allows a second copy | MKL's packed copy + the native loop's blocked copy |
 
+A weight another module shares (a tied lm-head, whose weight is also the token embedding) gets the packed kernel
+its dtype gets where memory allows a second copy (`keeps_plain`: the plain weight is not released, its other
+owner still reads it): a tied 262,144 x 640 float32 lm-head, one row, F.linear 57.8 ms vs oneDNN's packed copy
+31.7 ms; 16 rows 190.5 vs 68.6 ms (AMD EPYC, 2 cores, benchmarks/results/linear_kernels-*.md).
+
 Why packed kernels pack lazily, on first use: weights packed on another thread than the one that runs the
 model (the loading one) made a bf16 decode step 1.6x slower (39 vs 25 ms). Why oneDNN's rows are padded:
 oneDNN builds (JIT) a kernel per (rows, in, out) shape; prefill steps bring a new row count almost every
@@ -180,10 +185,14 @@ class OwnedLinear(LinearKernel):
     """A kernel that keeps its own (packed or concatenated) copy of the weight, made on first use on the thread that
     runs the model (see the module docstring); the plain parameters are released then."""
 
-    def __init__(self, source: PlainWeights):
+    def __init__(self, source: PlainWeights, *, keeps_plain: bool = False):
         super().__init__(source)
         self.bias: torch.Tensor | None = None
         self._packed = False
+        # A shared weight (a tied lm-head): its other owner reads the plain parameter, so it is kept.
+        self.keeps_plain = keeps_plain
+        if keeps_plain:
+            self.name = f"{type(self).name}+plain-kept"
 
     @property
     def ready(self) -> bool:
@@ -199,7 +208,8 @@ class OwnedLinear(LinearKernel):
         self.bias = self.source.bias()
         self.bias = None if self.bias is None else self.bias.detach()
         self._pack(weight)
-        self.source.release()
+        if not self.keeps_plain:
+            self.source.release()
         self._packed = True
 
     def _pack(self, weight: torch.Tensor) -> None:
@@ -263,6 +273,27 @@ class OneDnnPackedGemvLinear(OneDnnPackedLinear):
 def mkl_packs_float32() -> bool:
     """Whether this torch build multiplies float32 with MKL's packed GEMM (`mkl::_mkl_linear`)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD", ...); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def mkl_serves_float32() -> bool:
+    """Whether float32 products go to MKL's packed GEMM: torch has it and the CPU is Intel's. On other vendors MKL
+    dispatches to generic code and its packed product loses to oneDNN's at every row count (AMD EPYC, AVX2, 2 cores,
+    Gemma 3 270M's 72 decoder linears: 1 row 26.2 vs 21.6 ms, 4 rows 89.2 vs 31.1, 16 rows 91.9 vs 48.2;
+    benchmarks/results/linear_kernels-*.md)."""
+    return mkl_packs_float32() and cpu_vendor() == "GenuineIntel"
 
 
 def can_pack_weights(dtype: torch.dtype = torch.float32) -> bool:

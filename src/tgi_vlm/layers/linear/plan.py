@@ -9,13 +9,18 @@ what runs. The rules, in order, for one layer:
    modules and its weights are DTensors): `torch`;
 2. a weight that is not a plain tensor (a subclass: quantized, DTensor, ...) reports a dtype it may not be stored
    in: `torch` (its own `F.linear` dispatch), never packed or fused;
-3. a weight another module shares (a tied lm-head), float16 (no fast oneDNN float16 path on most CPUs), or a
-   dtype oneDNN cannot prepack on this CPU (bf16 without AVX-512BW/AVX-NE-CONVERT: `can_pack_weights`):
-   `torch-bucketed` for bf16/fp16 (rows padded), else `torch`;
-4. bfloat16: `onednn-packed`; float32: `mkl-packed` where torch has MKL's packed GEMM and the shape's packed layout
-   checks out (`mkl_layout_agrees`), with the native skinny loop for decode rows (`mkl-packed+native-skinny`) when
-   the second copy fits in memory (`decode_copy`) and the native library loads; else `onednn-packed` (with the
-   plain weight kept for one-row products, `onednn-packed+gemv`, when `decode_copy`).
+3. float16 (no fast oneDNN float16 path on most CPUs), a dtype oneDNN cannot prepack on this CPU (bf16 without
+   AVX-512BW/AVX-NE-CONVERT: `can_pack_weights`), or a weight another module shares (a tied lm-head) where a
+   second copy does not fit (`decode_copy` false): `torch-bucketed` for bf16/fp16 (rows padded), else `torch`;
+4. a shared weight otherwise: the packed kernel rule 5 gives its dtype, without the decode extras, its plain
+   weight kept for the other owner (`...+plain-kept`: the tied lm-head of a 262k vocabulary is the largest product
+   of a decode step);
+5. bfloat16: `onednn-packed`; float32 on an Intel CPU where torch has MKL's packed GEMM and the shape's packed
+   layout checks out (`mkl_serves_float32`, `mkl_layout_agrees`): `mkl-packed`, with the native skinny loop for
+   decode rows (`mkl-packed+native-skinny`) when the second copy fits in memory (`decode_copy`) and the native
+   library loads; float32 elsewhere: `onednn-packed`, with the plain weight kept for one-row products
+   (`onednn-packed+gemv`) when `decode_copy`, except on AMD CPUs, where oneDNN's packed product is the fastest
+   at every row count, one row included (kernels.mkl_serves_float32 has the figures).
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ from tgi_vlm.layers.linear.kernels import (
     PlainWeights,
     TorchLinear,
     can_pack_weights,
+    cpu_vendor,
     mkl_layout_agrees,
-    mkl_packs_float32,
+    mkl_serves_float32,
     same_inputs,
 )
 from tgi_vlm.layers.linear.modules import KernelLinear, give_kernel, give_patch_kernel, is_patch_embedding
@@ -129,19 +135,24 @@ def choose_kernel(module: torch.nn.Linear, options: PlanOptions, *, shared: bool
     weight = module.weight
     if not options.cpu or options.sharded or type(weight.data) is not torch.Tensor or weight.device.type != "cpu":
         return TorchLinear(source)
-    if shared or weight.dtype == torch.float16 or not can_pack_weights(weight.dtype):
+    if (weight.dtype == torch.float16 or not can_pack_weights(weight.dtype)
+            or (shared and not options.decode_copy) or weight.dtype not in (torch.bfloat16, torch.float32)):
         return BucketedLinear(source) if weight.dtype in _REDUCED else TorchLinear(source)
     if weight.dtype == torch.bfloat16:
-        return OneDnnPackedLinear(source)
-    if weight.dtype == torch.float32:
-        return _float32_kernel(source, options)
-    return TorchLinear(source)
+        return OneDnnPackedLinear(source, keeps_plain=shared)
+    return _float32_kernel(source, options, shared=shared)
 
 
-def _float32_kernel(source: PlainWeights, options: PlanOptions) -> LinearKernel:
-    if mkl_packs_float32() and mkl_layout_agrees(*source.shape):
+def _float32_kernel(source: PlainWeights, options: PlanOptions, *, shared: bool = False) -> LinearKernel:
+    if shared:  # one extra copy (the plain weight stays for its other owner), no decode extras on top
+        if mkl_serves_float32() and mkl_layout_agrees(*source.shape):
+            return MklPackedLinear(source, keeps_plain=True)
+        return OneDnnPackedLinear(source, keeps_plain=True)
+    if mkl_serves_float32() and mkl_layout_agrees(*source.shape):
         return MklSkinnyLinear(source) if options.decode_copy and options.skinny else MklPackedLinear(source)
-    return OneDnnPackedGemvLinear(source) if options.decode_copy else OneDnnPackedLinear(source)
+    if options.decode_copy and cpu_vendor() != "AuthenticAMD":
+        return OneDnnPackedGemvLinear(source)
+    return OneDnnPackedLinear(source)
 
 
 def _patch_kernel(conv: torch.nn.Module, options: PlanOptions) -> LinearKernel:
