@@ -26,8 +26,9 @@ def lean_engine(arch: str, kernels: KernelSettings = TORCH_NORM, **config):
     return load_engine(arch, kernels=kernels, **config)
 
 # Every tiny architecture: those whose text layers are Llama-family get the lean forward.
-COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm")
-NOT_COVERED = ("gemma2", "gemma3", "paligemma", "llama4", "phi3")
+COVERED = ("llama", "qwen2", "mistral", "qwen2_vl", "qwen2_5_vl", "llava_next", "idefics2", "idefics3", "smolvlm",
+           "gemma3")
+NOT_COVERED = ("gemma2", "paligemma", "llama4", "phi3")
 
 
 def lean_layers(engine) -> int:

@@ -31,8 +31,9 @@ bench model (bf16, 13 decoding sequences, paired in one process): decode step 28
 two new prompts 93.0 -> 90.7 ms.
 
 Covered: the layer classes in LEAN_LAYER_CLASSES, whose forward (residual, input norm, attention
-with standard rotary, residual, post-attention norm, gated MLP) this reproduces. Any other layer,
-or one whose projections were not fused, keeps transformers' forward.
+with standard rotary, residual, post-attention norm, gated MLP) this reproduces, and Gemma 3's
+(GEMMA3_LEAN_LAYER_CLASSES: sandwich norms, q/k norms; `_lean_gemma3_forward`, torch's operations only, bit-equal).
+Any other layer, or one whose projections were not fused, keeps transformers' forward.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ LEAN_LAYER_CLASSES: dict[str, Callable[[torch.nn.Module], int | None]] = {
     "Qwen2VLDecoderLayer": lambda attn: attn.sliding_window,
     "Qwen2_5_VLDecoderLayer": lambda attn: attn.sliding_window,
 }
+# Gemma 3's layers (Gemma3DecoderLayer, the text model of Gemma 3 270M and of the Gemma 3 VLMs): sandwich norms
+# (post-attention and pre/post-feedforward RMSNorms around each block), per-head q/k RMSNorms before rotary, and
+# Gemma's RMSNorm (`x * rsqrt(mean(x^2) + eps) * (1 + w)` in float32, then cast). `_lean_gemma3_forward` calls the
+# layer's own norm modules' forwards, so it is the same arithmetic in the same order, with fewer calls.
+GEMMA3_LEAN_LAYER_CLASSES: dict[str, Callable[[torch.nn.Module], int | None]] = {
+    "Gemma3DecoderLayer": lambda attn: attn.sliding_window,
+}
 _PARTS_ATTR = "_tgi_vlm_lean_parts"
 
 
@@ -74,6 +82,7 @@ class LeanParts:
     sliding_window: int | None
     native_norm: bool = False  # tgi_vlm::rms_norm where it takes the input (else torch's operations)
     native_rotary: bool = False  # tgi_vlm::rotary_and_store where it takes the product and the backend the K/V
+    gemma3: bool = False  # Gemma 3's layer structure (`_lean_gemma3_forward`); its norms are its own modules'
 
     @property
     def qk_width(self) -> int:
@@ -140,11 +149,38 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 
+def _lean_gemma3_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
+                         attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
+    """Gemma3DecoderLayer's forward (and Gemma3Attention's, Gemma3MLP's) with the fused q/k/v and gate/up products
+    sliced directly and every submodule's forward called without `Module.__call__`: the same operations on the same
+    values in the same order, so bit-equal to transformers' (tests/models/test_lean_layer_parity.py)."""
+    parts: LeanParts = self.__dict__[_PARTS_ATTR]
+    attn, mlp = self.self_attn, self.mlp
+    bsz, q_len, _ = hidden_states.shape
+    qkv = parts.qkv.product(self.input_layernorm.forward(hidden_states))  # [bsz, q_len, (Hq + 2 Hkv) D]
+    q_width = parts.q_heads * parts.head_dim
+    # transformers normalizes [bsz, H, q_len, D] views of the same values over D: the layout does not change them
+    query = attn.q_norm.forward(qkv[..., :q_width].view(bsz, q_len, parts.q_heads, parts.head_dim))
+    key = attn.k_norm.forward(qkv[..., q_width : parts.qk_width].view(bsz, q_len, parts.kv_heads, parts.head_dim))
+    cos, sin = position_embeddings  # [bsz, q_len, D]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    query, key = _rotate(query, cos, sin).transpose(1, 2), _rotate(key, cos, sin).transpose(1, 2)
+    value = qkv[..., parts.qk_width :].view(bsz, q_len, parts.kv_heads, parts.head_dim).transpose(1, 2)
+    out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
+                             sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
+    attended = attn.o_proj.forward(out.reshape(bsz, q_len, -1).contiguous())
+    hidden_states = hidden_states + self.post_attention_layernorm.forward(attended)
+    gate_up = parts.gate_up.product(self.pre_feedforward_layernorm.forward(hidden_states))
+    gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
+    return hidden_states + self.post_feedforward_layernorm.forward(mlp.down_proj.forward(mlp.act_fn(gate) * up))
+
+
 def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> LeanParts | None:
     """The fused groups and head counts of a covered layer, or None when it does not qualify."""
     if _PARTS_ATTR in layer.__dict__:
         return None  # already lean
-    window_of = LEAN_LAYER_CLASSES.get(type(layer).__name__)
+    gemma3 = type(layer).__name__ in GEMMA3_LEAN_LAYER_CLASSES
+    window_of = (GEMMA3_LEAN_LAYER_CLASSES if gemma3 else LEAN_LAYER_CLASSES).get(type(layer).__name__)
     if window_of is None or not type(layer).__module__.startswith("transformers.models."):
         return None  # not one of transformers' own classes (e.g. remote code reusing the name)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -161,17 +197,22 @@ def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> Le
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # hooks (e.g. a tensor-parallel plan's) must run: keep transformers' forward
+    if gemma3:  # its norms are its own modules' (Gemma's (1 + w) form); rotary runs in torch after the q/k norms
+        if getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None:
+            return None
+        native_norm = native_rotary = False
     return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
-                     native_norm, native_rotary)
+                     native_norm, native_rotary, gemma3)
 
 
 _LEAN_CLASSES: dict[type, type] = {}
 
 
-def _lean_class(cls: type) -> type:
+def _lean_class(cls: type, gemma3: bool = False) -> type:
     """`cls` with the lean forward: a subclass made once per layer class (the instance keeps everything else)."""
     if cls not in _LEAN_CLASSES:
-        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": _lean_forward, "_lean_base": cls})
+        forward = _lean_gemma3_forward if gemma3 else _lean_forward
+        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (cls,), {"forward": forward, "_lean_base": cls})
     return _LEAN_CLASSES[cls]
 
 
@@ -188,14 +229,16 @@ def install_lean_layers(language_model: torch.nn.Module, kernels: KernelSettings
     for layer in language_model.modules():
         lean = layer.__dict__.get(_PARTS_ATTR)
         if lean is not None:
-            layer.__dict__[_PARTS_ATTR] = dataclasses.replace(lean, native_norm=native_norm, native_rotary=native_rotary)
+            if not lean.gemma3:
+                layer.__dict__[_PARTS_ATTR] = dataclasses.replace(lean, native_norm=native_norm,
+                                                                  native_rotary=native_rotary)
             count += 1
             continue
         parts = _parts(layer, native_norm, native_rotary)
         if parts is None:
             continue
         layer.__dict__[_PARTS_ATTR] = parts
-        layer.__class__ = _lean_class(type(layer))
+        layer.__class__ = _lean_class(type(layer), parts.gemma3)
         count += 1
     return count
 
