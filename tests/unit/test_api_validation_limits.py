@@ -353,3 +353,26 @@ def test_a_request_is_tokenized_once_between_validation_and_the_router(prefix_ca
     response, _ = post({"inputs": text, "parameters": {"max_new_tokens": 2}}, prefix_caching=prefix_caching)
     assert response.status_code == 200 and response.headers["x-prompt-tokens"] == "5"
     assert calls == (["tokenize"] if prefix_caching else ["input_ids"])
+
+
+# ----- seeds -----
+
+def test_a_sampling_request_without_a_seed_gets_a_fresh_random_one_and_a_given_seed_is_kept():
+    """TGI draws a random 64-bit seed for every sampling request that names none (so two such requests do not
+    sample alike) and reports it in `details.seed`; a given seed reaches the shard unchanged."""
+
+    async def scenario():
+        async with serving(True) as (client, shard):
+            bodies = [{"inputs": prompt_of(4), "parameters": {"do_sample": True, "details": True, "max_new_tokens": 1}}
+                      for _ in range(2)]
+            bodies.append({"inputs": prompt_of(4), "parameters": {"do_sample": True, "details": True, "seed": 5,
+                                                                   "max_new_tokens": 1}})
+            responses = [await client.post("/generate", json=body) for body in bodies]
+            return responses, shard.requests
+
+    responses, sent = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    seeds = [r.parameters.seed for r in sent]
+    assert seeds[2] == 5
+    assert seeds[0] != seeds[1] and 0 < seeds[0] < 2 ** 64 and 0 < seeds[1] < 2 ** 64
+    assert [r.json()["details"]["seed"] for r in responses] == seeds

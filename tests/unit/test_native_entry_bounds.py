@@ -12,6 +12,7 @@ AVX-512). tests/unit/test_kernel_ops.py holds the ops' results to torch's."""
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 
 import pytest
@@ -228,3 +229,108 @@ def test_the_attended_positions_start_where_the_window_and_the_chunk_say(window,
     spans = step.row_spans(window, chunk)
     assert spans.tolist() == [rows, starts, lens]
     assert step.row_spans(window, chunk) is spans  # computed once per (window, chunk), shared by the layers
+
+
+# ----- the inputs' kind, device and layout, one at a time (the C code trusts every one of them) -----
+
+def on_meta(t: torch.Tensor) -> torch.Tensor:
+    """The same shape, dtype and strides, not on the CPU (a tensor the C code must never be handed)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3, 4, 5], ids=["q", "out", "k_cache", "v_cache", "slot_index", "row_spans"])
+def test_decode_attention_refuses_any_one_tensor_that_is_not_on_the_cpu(which):
+    """The op's CPU kernel checks every input with `_decode_problem` (a tensor on another device dispatches the op
+    elsewhere, so the check is called here as the kernel calls it)."""
+    inputs = list(decode_inputs())
+    assert ops._decode_problem(*inputs) is None
+    inputs[which] = on_meta(inputs[which])
+    assert ops._decode_problem(*inputs) == "every tensor must be on the CPU"
+
+
+def test_decode_attention_refuses_a_head_size_off_the_multiple_of_16_and_names_both_shapes(stand_in):
+    q, out, k_cache, v_cache, slot_index, row_spans = decode_inputs()
+    narrow = torch.zeros(SLOTS, HKV, 8)
+    with pytest.raises(ValueError, match=re_exact("the cache must be [slots, Hkv, D] contiguous float32 or bfloat16 "
+                                                  f"with D a multiple of 16 up to 256, got ({SLOTS}, {HKV}, 8) "
+                                                  "torch.float32")):
+        decode(q[..., :8], out[..., :8], narrow, narrow.clone(), slot_index, row_spans)
+    wide_q = torch.zeros(3, HQ, 2 * D)
+    with pytest.raises(ValueError, match=re_exact(f"query (3, {HQ}, {2 * D}) torch.float32 (last dim contiguous) does "
+                                                  f"not fit the cache ({SLOTS}, {HKV}, {D}) torch.float32")):
+        decode(wide_q, wide_q.clone(), k_cache, v_cache, slot_index, row_spans)
+    assert stand_in.calls == []
+
+
+def test_decode_attention_refuses_a_slot_index_that_is_not_contiguous(stand_in):
+    q, out, k_cache, v_cache, slot_index, row_spans = decode_inputs()
+    strided = torch.zeros(2, 10, dtype=torch.long)[:, ::2]
+    strided.copy_(slot_index)
+    with pytest.raises(ValueError, match=re_exact("the slot index must be [B, width] contiguous int64, got (2, 5) "
+                                                  "torch.int64")):
+        decode(q, out, k_cache, v_cache, strided, row_spans)
+    assert stand_in.calls == []
+
+
+def test_an_empty_slot_index_names_no_slot_so_even_a_one_slot_cache_takes_it():
+    q = torch.zeros(1, HQ, D)
+    one_slot = torch.zeros(1, HKV, D)
+    # one sequence with no cached position yet: nothing to index, whatever the cache's size
+    assert ops._decode_index_problem(q, one_slot, torch.zeros(1, 0, dtype=torch.long), torch.zeros(3, 1).long()) is None
+    assert ops._decode_index_problem(q, one_slot, torch.zeros(1, 1, dtype=torch.long),
+                                     torch.tensor([[0], [0], [1]])) is None  # slot 0: the last of one
+    assert ops._decode_index_problem(q, one_slot, torch.ones(1, 1, dtype=torch.long), torch.tensor([[0], [0], [1]])) \
+        == "a slot past the cache of 1 slots, or negative (largest: 1)"
+
+
+def re_exact(message: str) -> str:
+    return f"^tgi_vlm::[a-z_]+: {re.escape(message)}$"
+
+
+def rotary_inputs():
+    qkv = torch.zeros(1, 3, (HQ + 2 * HKV) * D)
+    tables = torch.zeros(1, 3, D)
+    return qkv, tables, tables.clone(), HQ, torch.zeros(SLOTS, HKV, D), torch.zeros(SLOTS, HKV, D), torch.arange(3)
+
+
+def test_rotary_and_store_refuses_a_product_that_is_not_one_sequence_of_rows(stand_in):
+    qkv, cos, sin, *rest = rotary_inputs()
+    with pytest.raises(ValueError, match=re_exact("the fused product must be [1, T, W] CPU float32 or bfloat16, last "
+                                                  f"dim contiguous, got (3, {(HQ + 2 * HKV) * D})")):
+        ops.rotary_and_store(qkv[0], cos, sin, *rest)
+    assert stand_in.calls == []
+
+
+@pytest.mark.parametrize("which", ["cos", "sin"])
+@pytest.mark.parametrize("bad", ["float64", "meta", "shape"])
+def test_rotary_and_store_refuses_either_table_of_another_dtype_device_or_shape(stand_in, which, bad):
+    qkv, cos, sin, *rest = rotary_inputs()
+    table = {"cos": cos, "sin": sin}[which]
+    table = {"float64": table.double(), "meta": on_meta(table), "shape": torch.zeros(1, 2, D)}[bad]
+    cos, sin = (table, sin) if which == "cos" else (cos, table)
+    message = f"rotary tables {tuple(cos.shape)} / {tuple(sin.shape)} are not [1, T, D] for {tuple(qkv.shape)}"
+    assert ops._rotary_problem(qkv, cos, sin, *rest[:3]) == message  # what the CPU kernel checks first
+    if bad != "meta":  # a meta table dispatches the op to its fake kernel
+        with pytest.raises(ValueError, match=re_exact(message)):
+            ops.rotary_and_store(qkv, cos, sin, *rest)
+    assert stand_in.calls == []
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_skinny_linear_refuses_a_weight_or_bias_that_is_not_on_the_cpu(which):
+    x, weight, bias = torch.randn(2, 32), ops.blocked_weight(torch.randn(20, 32)), torch.zeros(20)
+    assert ops._linear_problem(x, weight, 20, bias) is None
+    weight, bias = (on_meta(weight), bias) if which == "weight" else (weight, on_meta(bias))
+    assert ops._linear_problem(x, weight, 20, bias).startswith("inconsistent inputs (x (2, 32) torch.float32")
+
+
+def test_skinny_linear_takes_a_single_output_column(stand_in):
+    out = ops.skinny_linear(torch.randn(2, 32), ops.blocked_weight(torch.randn(1, 32)), 1, torch.zeros(1))
+    assert out.shape == (2, 1) and stand_in.calls == ["skinny_linear"]
+
+
+def test_an_op_called_before_the_kernels_were_loaded_says_so(monkeypatch):
+    monkeypatch.setattr(library, "_loaded", None)
+    with pytest.raises(RuntimeError, match=re.escape("tgi_vlm::rms_norm is not available: the native kernels were "
+                                                     "not loaded (kernels.cpu.load)")):
+        ops._loaded("rms_norm")
