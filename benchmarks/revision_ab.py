@@ -63,9 +63,19 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--name", required=True)
+    p.add_argument("--model", help="model directory (default: the bench Qwen2-VL); `real-gemma`: Gemma 3 270M "
+                                   "(tgi_vlm.testing.real_models, the real-models extra)")
+    p.add_argument("--images-per-request", type=int, default=1, help="0 for a text model")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
     a = p.parse_args()
-    model = str(tiny_model_path("qwen2_vl", size="bench"))
-    spec = WorkloadSpec()
+    if a.model == "real-gemma":
+        from tgi_vlm.testing.real_models import gemma3_270m_dir
+
+        a.model = str(gemma3_270m_dir())
+    model = a.model or str(tiny_model_path("qwen2_vl", size="bench"))
+    spec = WorkloadSpec(num_requests=a.num_requests, images_per_request=a.images_per_request,
+                        concurrency=a.concurrency)
     from transformers import AutoTokenizer
 
     items = make_workload(spec, AutoTokenizer.from_pretrained(model))
@@ -87,6 +97,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")], cwd=REPO, capture_output=True)
             subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "base": base, "this": head,
+              "model": Path(model).name,
               "dtype": a.dtype, "load_average": os.getloadavg(), "workload": spec.to_dict(), "pairs": runs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"revision_ab-{a.name}.json").write_text(json.dumps(report, indent=1))
@@ -96,8 +107,10 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     ratios = [r["this"]["out_tok_per_s"] / r["base"]["out_tok_per_s"] for r in report["pairs"]]
+    w = report["workload"]
     lines = [f"# Shard {report['this']} vs {report['base']} — {report['date']}", "",
-             f"`tgi-vlm bench`'s workload (64 requests, 16 in flight, bench Qwen2-VL, {report['dtype']}), the two shards "
+             f"`tgi-vlm bench`'s workload ({w['num_requests']} requests, {w['concurrency']} in flight, "
+             f"{w['images_per_request']} image(s) each, `{report.get('model', 'bench Qwen2-VL')}`, {report['dtype']}), the two shards "
              f"served alternately (`benchmarks/revision_ab.py`); load average at the end {report['load_average'][0]:.1f}.", "",
              "| pair | first | base out tok/s | this out tok/s | ratio | prefill RPCs s (base / this) | decode RPCs s | same tokens |",
              "|---:|---|---:|---:|---:|---:|---:|---|"]

@@ -58,7 +58,7 @@ class Run:
     @property
     def name(self) -> str:
         return (f"{self.system}-{self.dtype}-prefix-{'on' if self.prefix_caching else 'off'}"
-                + ("-compiled" if self.compile else "") + (f"-r{self.round}" if self.round else ""))
+                + ("-eager" if self.system == "vllm" and not self.compile else "") + (f"-r{self.round}" if self.round else ""))
 
     @property
     def is_default_dtype(self) -> bool:
@@ -88,7 +88,7 @@ def plan(a: argparse.Namespace) -> list[Run]:
                     pair.append(Run("tgi-vlm", tgi_dtype, prefix, round=round_))
                 if "vllm" in a.systems:
                     pair += [Run("vllm", vllm_dtype, prefix, compiled, round=round_)
-                             for compiled in [False] + ([True] if a.vllm_compile else [])]
+                             for compiled in [True] + ([False] if a.vllm_eager else [])]
                 runs += pair[::-1] if round_ % 2 else pair
     return runs
 
@@ -106,7 +106,8 @@ def run_tgi_vlm(run: Run, ctx: Context) -> dict:
         dtype = asyncio.run(shard_dtype(shard.socket))
         command = [sys.executable, "-m", "tgi_vlm.cli", "bench", ctx.model, "--uds-path", shard.socket, "--no-hf",
                    "--num-requests", str(spec["num_requests"]), "--concurrency", str(spec["concurrency"]),
-                   "--seed", str(spec["seed"]), "--out-dir", str(ctx.runs_dir), "--name", run.name,
+                   "--seed", str(spec["seed"]), "--images-per-request", str(spec["images_per_request"]),
+                   "--out-dir", str(ctx.runs_dir), "--name", run.name,
                    *([] if run.prefix_caching else ["--no-prefix-caching"])]
         run_logged(command, log)
     report = json.loads((ctx.runs_dir / f"{run.name}.json").read_text())
@@ -176,7 +177,8 @@ def execute(run: Run, ctx: Context) -> dict:
 def ratios(rows: list[dict]) -> list[dict]:
     """tgi-vlm / vLLM for each prefix mode: at each one's default dtype, and at each dtype both ran.
     Throughput > 1 and latency < 1 mean tgi-vlm is ahead."""
-    ok = [r for r in rows if r["error"] is None and not r["run"]["compile"]]
+    # against vLLM at its own defaults (compiled); its eager rows are in the table, not in the ratios
+    ok = [r for r in rows if r["error"] is None and (r["run"]["system"] != "vllm" or r["run"]["compile"])]
     out = []
     for prefix in dict.fromkeys(r["run"]["prefix_caching"] for r in ok):
         tgi = [r for r in ok if r["run"]["system"] == "tgi-vlm" and r["run"]["prefix_caching"] == prefix]
@@ -251,7 +253,8 @@ def markdown(report: dict) -> str:
              f"new tokens (greedy, EOS ignored), spec {json.dumps(w['spec'])}.",
              "Every run: one warm-up request first; TTFT from submission (before tokenizing and image processing) "
              "to the first token; ITL = gaps between a request's tokens; prefill budget 2048 tokens, max length "
-             "2048, 1 GB KV cache, all cores. vLLM: eager unless marked compiled, chunked prefill.", ""]
+             "2048, 1 GB KV cache, all cores. vLLM: its defaults (compiled: CompilationMode.DYNAMO_TRACE_ONCE, inductor) "
+             "unless marked eager (enforce_eager), chunked prefill.", ""]
     # Only the load before the first run tells of other work: by the end, it counts these runs' own.
     if m["load_avg_1m"] > (m["cores"] or 1) / 2:
         lines += [f"**The machine was not idle** (load average above half its {m['cores']} cores before the "
@@ -260,7 +263,7 @@ def markdown(report: dict) -> str:
               "wall s | checks |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         run = r["run"]
-        system = run["system"] + (" (compiled)" if run["compile"] else "") + (f" (round {run['round'] + 1})"
+        system = run["system"] + (" (eager)" if run["system"] == "vllm" and not run["compile"] else "") + (f" (round {run['round'] + 1})"
                                                                                if report.get("rounds", 1) > 1 else "")
         dtype = (f"{run['dtype']} ({r['dtype']})" if run["dtype"] in ("default", "auto") and r.get("dtype")
                  else run["dtype"])
@@ -318,6 +321,10 @@ def default_vllm_python() -> Path:
 
 
 def ensure_model(model: str | None, work_dir: Path) -> str:
+    if model == "real-gemma":  # Gemma 3 270M, de-quantized once from the package index's GGUF (real-models extra)
+        from tgi_vlm.testing.real_models import gemma3_270m_dir
+
+        return str(gemma3_270m_dir())
     if model:
         return model
     path = work_dir / "bench-qwen2_vl"
@@ -329,7 +336,8 @@ def ensure_model(model: str | None, work_dir: Path) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="model directory (default: the bench Qwen2-VL, built under --work-dir)")
+    p.add_argument("--model", help="model directory (default: the bench Qwen2-VL, built under --work-dir); real-gemma: "
+                                   "Gemma 3 270M from the package index (with --images-per-request 0)")
     p.add_argument("--work-dir", type=Path, default=default_work_dir(),
                    help="model, workload and each run's files (default: %(default)s)")
     p.add_argument("-n", "--num-requests", type=int, default=64)
@@ -341,7 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default (= auto): each system's own (tgi-vlm: no --dtype; vLLM: auto)")
     p.add_argument("--prefix-caching", choices=("default", "off", "both"), default="both",
                    help="default: each system's default (on for both); off: off on both; both: every row twice")
-    p.add_argument("--vllm-compile", action="store_true", help="also run vLLM with torch.compile (not eager)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="also run vLLM with enforce_eager (its default, compiled, always runs)")
+    p.add_argument("--images-per-request", type=int, default=1, help="0 for a text model (e.g. real-gemma)")
     p.add_argument("--vllm-python", type=Path, default=default_vllm_python(),
                    help="vLLM's interpreter (setup_vllm_cpu.sh; default: $VLLM_CPU_VENV/bin/python, else %(default)s)")
     p.add_argument("--rounds", type=int, default=1,
@@ -361,8 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     a.work_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_facts(a.vllm_python)
     model = ensure_model(a.model, a.work_dir)
-    workload = export_workload(model, a.work_dir / f"workload-n{a.num_requests}-c{a.concurrency}-s{a.seed}",
-                               num_requests=a.num_requests, concurrency=a.concurrency, seed=a.seed)
+    workload = export_workload(model, a.work_dir / f"workload-{Path(model).name}-n{a.num_requests}-c{a.concurrency}"
+                                              f"-s{a.seed}-i{a.images_per_request}",
+                               num_requests=a.num_requests, concurrency=a.concurrency, seed=a.seed,
+                               images_per_request=a.images_per_request)
     runs_dir = a.work_dir / "runs" / a.name
     runs_dir.mkdir(parents=True, exist_ok=True)
     ctx = Context(model, workload, runs_dir, a.vllm_python)

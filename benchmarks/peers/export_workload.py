@@ -4,7 +4,7 @@
 
 Runs with the project's interpreter. The requests are `tgi_vlm.benchmarking.synthetic.make_workload`'s for the same
 spec as `tgi-vlm bench`'s defaults (WorkloadSpec's defaults: 1 image of 64-448 px per side, 16-128 text
-tokens, 16-64 new tokens, seed 0); the warm-up request is the one `tgi_vlm.benchmarking.targets.driver.warm_up` sends. Each
+tokens, 16-64 new tokens, seed 0; `--images-per-request 0` for a text model, whose prompt is the text); the warm-up request is the one `tgi_vlm.benchmarking.targets.driver.warm_up` sends. Each
 prompt is laid out by the model's own prompt adapter (for Qwen2-VL: `<|vision_start|><|image_pad|>
 <|vision_end|>` per image, then the text; no chat template), and its token ids are computed by the router's
 TokenCounter, which runs the shard's intake code: the ids the shard prefills.
@@ -27,7 +27,7 @@ WARMUP_IMAGE_SEED = 999_983
 
 
 def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concurrency: int = 16,
-                    seed: int = 0) -> Workload:
+                    seed: int = 0, images_per_request: int = 1) -> Workload:
     from transformers import AutoConfig
 
     from tgi_vlm.benchmarking.synthetic import WorkloadSpec, make_workload
@@ -36,12 +36,15 @@ def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concur
     from tgi_vlm.router.tokens import TokenCounter
 
     counter = TokenCounter(model)
-    if counter.prompt is None:
-        raise SystemExit(f"{model} is not a vision-language model: the bench workload sends images")
-    spec = replace(WorkloadSpec(), num_requests=num_requests, concurrency=concurrency, seed=seed)
+    if counter.prompt is None and images_per_request:
+        raise SystemExit(f"{model} is not a vision-language model: pass --images-per-request 0")
+    spec = replace(WorkloadSpec(), num_requests=num_requests, concurrency=concurrency, seed=seed,
+                   images_per_request=images_per_request)
     items = make_workload(spec, counter.tokenizer)
 
     def layout(chunks: list[str | bytes]) -> tuple[str, list[bytes]]:
+        if counter.prompt is None:  # a text model: the text as it is (the tokenizer adds what it adds)
+            return "".join(chunks), []
         prompt = counter.prompt.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in chunks])
         return prompt, [c for c in chunks if isinstance(c, bytes)]
 
@@ -64,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", "--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16, help="recorded in the spec; the runner uses it")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--images-per-request", type=int, default=1, help="0 for a text model")
     a = p.parse_args(argv)
-    w = export_workload(a.model, a.out_dir, num_requests=a.num_requests, concurrency=a.concurrency, seed=a.seed)
+    w = export_workload(a.model, a.out_dir, num_requests=a.num_requests, concurrency=a.concurrency, seed=a.seed,
+                        images_per_request=a.images_per_request)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in w.requests)
     print(f"wrote {a.out_dir}: {len(w.requests)} requests, {prompt_tokens} prompt tokens, "
           f"{sum(r.max_new_tokens for r in w.requests)} new tokens, digest {w.digest}")

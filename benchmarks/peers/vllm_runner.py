@@ -161,7 +161,7 @@ def build_engine(a: argparse.Namespace, model: str, images_per_request: int, con
                       max_model_len=a.max_model_len, max_num_seqs=concurrency,
                       max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=True,
                       enable_prefix_caching=a.prefix_caching,
-                      limit_mm_per_prompt={"image": max(1, images_per_request), "video": 0},
+                      **({"limit_mm_per_prompt": {"image": images_per_request, "video": 0}} if images_per_request else {}),
                       disable_log_stats=True)
     return LLMEngine.from_engine_args(args)
 
