@@ -83,7 +83,8 @@ PLANTS = [
     Plant("an image starting where a block ends keys that block", "src/tgi_vlm/prefix_hash.py",
           "ref.offset < end and ref.end > start", "ref.offset <= end and ref.end > start", (KEYS,)),
     Plant("the image offset left out of the key", "src/tgi_vlm/prefix_hash.py",
-          'return f"i{ref.offset}:{ref.length}:{ref.digest}".encode()', 'return f"i{ref.length}:{ref.digest}".encode()',
+          'return f"m{ref.kind.value}:{ref.offset}:{ref.length}:{ref.digest}".encode()',
+          'return f"m{ref.kind.value}:{ref.length}:{ref.digest}".encode()',
           (KEYS,)),
     Plant("a partial last block keyed", "src/tgi_vlm/prefix_hash.py",
           "range(0, n - n % block_size, block_size)", "range(0, n, block_size)", (KEYS,)),
@@ -271,6 +272,9 @@ def main() -> None:
         for part in ("src", "tests"):
             shutil.copytree(ROOT / part, work / part, ignore=ignore)
         shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+        for plant in plants:  # every fragment first: a plant that no longer matches its file fails at once
+            if (count := (work / plant.path).read_text().count(plant.old)) != 1:
+                sys.exit(f"{plant.name}: {plant.old!r} occurs {count} times in {plant.path}")
         for tests in sorted({p.tests for p in plants}):
             ok, output = run_tests(work, tests)
             if not ok:
