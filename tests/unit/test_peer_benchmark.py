@@ -152,14 +152,21 @@ def test_compare_plans_each_dtype_per_system_and_pairs_defaults_and_equal_dtypes
     assert [r.name for r in rounds] == ["tgi-vlm-float32-prefix-on", "vllm-float32-prefix-on",
                                         "vllm-float32-prefix-on-r1", "tgi-vlm-float32-prefix-on-r1",
                                         "tgi-vlm-float32-prefix-on-r2", "vllm-float32-prefix-on-r2"]
+    # vLLM runs at its own default (compiled); --vllm-eager adds an enforce_eager run beside it
+    eager = compare.plan(compare.parse_args(["--dtypes", "float32", "--prefix-caching", "default", "--vllm-eager"]))
+    assert [(r.name, r.compile) for r in eager] == [("tgi-vlm-float32-prefix-on", False),
+                                                    ("vllm-float32-prefix-on", True),
+                                                    ("vllm-float32-prefix-on-eager", False)]
 
     def row(system: str, asked: str, dtype: str, tok_s: float, ttft: float) -> dict:
         serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": ttft}, "itl_s": {"p50": 0.1}}
-        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": False},
+        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": system == "vllm"},
                 "name": f"{system}-{asked}", "dtype": dtype, "error": None, "serving": serving}
 
+    eager = row("vllm", "auto", "bfloat16", 250.0, 1.0)
+    eager["run"]["compile"], eager["name"] = False, "vllm-auto-eager"  # an extra row: in the table, not a ratio
     rows = [row("tgi-vlm", "default", "float32", 100.0, 2.0), row("tgi-vlm", "bfloat16", "bfloat16", 150.0, 1.0),
-            row("vllm", "auto", "bfloat16", 300.0, 1.0), row("vllm", "bfloat16", "bfloat16", 200.0, 0.5)]
+            row("vllm", "auto", "bfloat16", 300.0, 1.0), eager, row("vllm", "bfloat16", "bfloat16", 200.0, 0.5)]
     got = [(q["compared"], q["tgi_vlm"], q["vllm"], q["out_tok_per_s"], q["ttft_p50"]) for q in compare.ratios(rows)]
     assert got == [("defaults", "tgi-vlm-default", "vllm-auto", 100 / 300, 2.0),
                    ("both bfloat16", "tgi-vlm-bfloat16", "vllm-bfloat16", 150 / 200, 2.0)]
@@ -168,7 +175,8 @@ def test_compare_plans_each_dtype_per_system_and_pairs_defaults_and_equal_dtypes
 def test_compare_pairs_runs_within_their_round_and_summarizes_the_median_ratio():
     def row(system: str, asked: str, round_: int, tok_s: float) -> dict:
         serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": 1.0}, "itl_s": {"p50": 0.1}}
-        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": False, "round": round_},
+        return {"run": {"system": system, "dtype": asked, "prefix_caching": True, "compile": system == "vllm",
+                        "round": round_},
                 "name": f"{system}-{asked}-{round_}", "dtype": "float32", "error": None, "serving": serving}
 
     rows = [row("tgi-vlm", "float32", r, t) for r, t in enumerate((90.0, 120.0, 100.0))]
