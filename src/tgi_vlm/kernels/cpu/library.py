@@ -40,6 +40,8 @@ class PortableLibrary:
         self.rotary_kv = _bind(library, "tgi_vlm_rotary_kv",
                                [_INT, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _INT])
         self.rms_norm = _bind(library, "tgi_vlm_rms_norm", [_INT, _P, _I64, _P, _P, _I64, _I64, _I64, _FLOAT, _INT])
+        self.gemma_rms_norm = _bind(library, "tgi_vlm_gemma_rms_norm",
+                                    [_INT, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT])
 
 
 class Avx512Library:
@@ -60,7 +62,8 @@ class Avx512Library:
 
 
 # Which library holds each op (ops.py registers them as tgi_vlm::<name>).
-OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "decode_attention": "avx512",
+OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "gemma_rms_norm": "portable",
+              "decode_attention": "avx512",
               "skinny_linear": "avx512"}
 _BINDINGS = {"portable": PortableLibrary, "avx512": Avx512Library}
 

@@ -17,6 +17,7 @@ otherwise.
 | `decode_attention` | one query row per sequence over its cached positions, from the paged cache | `out` |
 | `rotary_and_store` | rotary of the query and key heads, and the K/V store at the slots | `k_cache`, `v_cache` |
 | `rms_norm` | transformers' Llama-family RMSNorm | nothing |
+| `gemma_rms_norm` | transformers' Gemma RMSNorm (`(1 + w)`, one rounding), per head of `[T, G, H]` | `out` (may be `x`) |
 | `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
 """
 
@@ -281,6 +282,53 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes `x` `[..., H]` and `weight`."""
     return _norm_problem(x, weight) is None
+
+
+# ----- Gemma's RMSNorm -----
+
+def _gemma_norm_problem(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> str | None:
+    for name, t in (("x", x), ("out", out)):
+        shape, stride = t.shape, t.stride()
+        if not (t.is_cpu and t.dtype in _DTYPE_CODES and len(shape) == 3 and stride[2] == 1 and stride[1] == shape[2]
+                and stride[0] >= shape[1] * shape[2]):
+            return (f"{name} {tuple(shape)} {t.dtype} must be CPU float32 or bfloat16 [T, G, H], heads of H contiguous "
+                    f"and adjacent, tokens apart by at least G x H (strides {tuple(stride)})")
+    if not (out.shape == x.shape and out.dtype == x.dtype and weight.is_cpu and weight.dtype == x.dtype
+            and weight.shape == x.shape[2:] and weight.is_contiguous()):
+        return (f"out {tuple(out.shape)} {out.dtype} and weight {tuple(weight.shape)} {weight.dtype} must match x "
+                f"{tuple(x.shape)} {x.dtype} ([T, G, H] and [H])")
+    if out.data_ptr() != x.data_ptr() and _overlap(x, out):
+        return "out overlaps x without being x"
+    return None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+@_op("gemma_rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", lambda *args: None)
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    """transformers' Gemma RMSNorm (`x * rsqrt(mean(x^2) + eps) * (1 + weight)` in float32, cast once) of every head
+    of `x` `[T, G, H]` into `out` (the same shape; `x` itself normalizes in place, e.g. the query heads of a fused
+    q/k/v product). The same steps as torch's except the sum of squares, in double (csrc/rms_norm.c), so outputs may
+    differ in the last places (tests/unit/test_gemma_norm.py)."""
+    _refuse("gemma_rms_norm", _gemma_norm_problem(x, weight, out))
+    lib = _loaded("gemma_rms_norm")
+    tokens, heads, hidden = x.shape
+    if tokens and heads and hidden:
+        status = lib.gemma_rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                                    out.stride(0), tokens, heads, hidden, eps, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"tgi_vlm::gemma_rms_norm refused dtype {x.dtype}")
+
+
+def can_gemma_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemma_rms_norm` takes `x` `[T, G, H]` and `weight`, in place."""
+    return _gemma_norm_problem(x, weight, x) is None
 
 
 # ----- skinny linear -----

@@ -61,7 +61,7 @@ class PlanOptions:
 
     cpu: bool = False  # CPU kernels at all; False: every layer `torch`
     sharded: bool = False
-    decode_copy: bool = False  # float32 layers may keep a second copy for decode-sized products
+    decode_copy: bool = False  # a second copy fits: float32 decode extras, a tied head packed beside its embedding
     skinny: bool = False  # the native skinny-linear library loads (and is switched on)
 
 

@@ -73,3 +73,41 @@ int tgi_vlm_rms_norm(int dtype, const void* x, int64_t x_row_stride, const void*
     }
     return 0;
 }
+
+/* Gemma's RMSNorm (transformers' Gemma3RMSNorm, also Gemma 2's): out = (n * (1 + weight)) cast to the input dtype,
+   n = x * 1 / sqrt(mean(x^2) + eps), every step in float and one rounding at the end (Llama's rounds n first and
+   multiplies in the input dtype). The sum of squares is in double as above.
+
+   Rows are (token, head) pairs, so one call normalizes the query or key heads of a fused q/k/v product in place:
+   row (t, g) starts at x + t * x_token_stride + g * H (out likewise); H values each. `out` may be `x` itself (each
+   row is read whole for its sum before any of it is written, then element by element), but no other overlap. */
+static void gemma_row_f32(const float* x, const float* weight, float* out, int64_t H, float eps) {
+    SUM_OF_SQUARES(x, H, AS_FLOAT)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = (x[i] * inv) * (1.0f + weight[i]);
+}
+
+static void gemma_row_bf16(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t H, float eps) {
+    SUM_OF_SQUARES(x, H, bf16_to_f32)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i)
+        out[i] = f32_to_bf16((bf16_to_f32(x[i]) * inv) * (1.0f + bf16_to_f32(weight[i])));
+}
+
+/* x, out: [T, G, H] (token strides in elements, heads of H contiguous), weight: [H], all of `dtype`. Returns 0, or
+   -1 for an unknown dtype. */
+int tgi_vlm_gemma_rms_norm(int dtype, const void* x, int64_t x_token_stride, const void* weight, void* out,
+                           int64_t out_token_stride, int64_t T, int64_t G, int64_t H, float eps, int num_threads) {
+    if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return -1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * G * H >= 65536)
+    for (int64_t r = 0; r < T * G; ++r) {
+        const int64_t t = r / G, g = r % G;
+        if (dtype == DTYPE_FLOAT32)
+            gemma_row_f32((const float*)x + t * x_token_stride + g * H, (const float*)weight,
+                          (float*)out + t * out_token_stride + g * H, H, eps);
+        else
+            gemma_row_bf16((const uint16_t*)x + t * x_token_stride + g * H, (const uint16_t*)weight,
+                           (uint16_t*)out + t * out_token_stride + g * H, H, eps);
+    }
+    return 0;
+}
