@@ -57,3 +57,36 @@ def skinny_weight(weight: torch.Tensor, kernels: KernelSettings | None = None) -
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not skinny_available(kernels):
         return None
     return SkinnyWeight(weight, ops.skinny_max_rows())
+
+
+# Up to this many rows the bf16 loop (AVX512-BF16 pair products) streamed faster than oneDNN's packed AMX kernel on the
+# AMX host (Gemma 3 270M's shapes, bf16: 262,144 x 640 at 1/2/4 rows 12.6/12.3/14.3 vs 16.7/15.2/16.0 ms, 6 rows
+# even, 8 rows 18.3 vs 15.4; 640 x 1024 at 1 row 0.053 vs 0.076 ms): past it, the products are compute-bound and
+# oneDNN's AMX tiles win.
+BF16_MAX_ROWS = 4
+
+
+class SkinnyBf16Weight:
+    """A bfloat16 weight in the bf16 loop's layout (`ops.blocked_weight_bf16`), for 1..`BF16_MAX_ROWS` rows."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features = weight.shape[0]
+        self.blocked = ops.blocked_weight_bf16(weight)
+        self.max_rows = min(BF16_MAX_ROWS, ops.skinny_bf16_max_rows())
+
+    def takes(self, rows: int) -> bool:
+        return 1 <= rows <= self.max_rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x` `[..., in]` bf16 with `takes(rows)` -> `[..., out]`."""
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = ops.skinny_linear_bf16(flat, self.blocked, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def skinny_bf16_available(kernels: KernelSettings | None = None) -> bool:
+    """Whether bf16 decode products may use the native bf16 loop: `kernels.skinny_linear` on and the loop built here
+    (AVX-512 with its BF16 extension)."""
+    kernels = kernels or KernelSettings()
+    return (kernels.skinny_linear and cpu_kernels.load(kernels).available("skinny_linear_bf16")
+            and ops.skinny_bf16_max_rows() >= 1)

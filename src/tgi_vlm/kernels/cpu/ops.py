@@ -19,6 +19,7 @@ otherwise.
 | `rms_norm` | transformers' Llama-family RMSNorm | nothing |
 | `gemma_rms_norm` | transformers' Gemma RMSNorm (`(1 + w)`, one rounding), per head of `[T, G, H]` | `out` (may be `x`) |
 | `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
+| `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
 """
 
 from __future__ import annotations
@@ -386,4 +387,65 @@ def skinny_linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bia
         raise MemoryError("tgi_vlm::skinny_linear: no memory for the transposed input")
     if status != 0:
         raise RuntimeError(f"tgi_vlm::skinny_linear refused {rows} rows of {in_features} -> {out_features}")
+    return out
+
+
+# ----- skinny linear, bfloat16 -----
+
+def blocked_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 `weight` `[out, in]` in `skinny_linear_bf16`'s layout, `[ceil(out / 32) * 2, ceil(in / 2), 32]`:
+    blocks of 16 output columns, each a run of input pairs, a pair's two values side by side per column; columns past
+    `out` and the odd input past `in` are zero. Contiguous and 64-byte aligned."""
+    out_features, in_features = weight.shape
+    padded_out, pairs = -(-out_features // 32) * 32, -(-in_features // 2)
+    source = torch.zeros(padded_out, 2 * pairs, dtype=torch.bfloat16)
+    source[:out_features, :in_features] = weight
+    blocked = torch.empty(padded_out // 16, pairs, 32, dtype=torch.bfloat16)
+    if blocked.data_ptr() % 64:
+        raise RuntimeError("skinny_linear_bf16: the allocator returned memory not aligned to 64 bytes")
+    # [blocks, 16 columns, pairs, 2] -> [blocks, pairs, 16 columns, 2]
+    blocked.view(padded_out // 16, pairs, 16, 2).copy_(source.view(padded_out // 16, 16, pairs, 2).transpose(1, 2))
+    return blocked
+
+
+def skinny_bf16_max_rows() -> int:
+    """The most rows `skinny_linear_bf16` takes in this process (0 where it did not load or the CPU has no
+    AVX512-BF16)."""
+    kernels = library.loaded()
+    return kernels.avx512.skinny_bf16_max_rows if kernels is not None and kernels.avx512 is not None else 0
+
+
+def _bf16_linear_problem(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
+                         bias: torch.Tensor | None) -> str | None:
+    if not (_all_cpu(x, blocked, bias) and x.dim() == 2 and x.dtype == blocked.dtype == torch.bfloat16
+            and x.is_contiguous() and blocked.is_contiguous() and x.shape[0] >= 1 and out_features >= 1
+            and blocked.dim() == 3 and blocked.shape[1:] == (-(-x.shape[1] // 2), 32)
+            and blocked.shape[0] == 2 * -(-out_features // 32) and blocked.data_ptr() % 64 == 0
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.shape == (out_features,)
+                                  and bias.is_contiguous()))):
+        return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, weight {tuple(blocked.shape)} {blocked.dtype}, "
+                f"{out_features} outputs, bias {None if bias is None else (tuple(bias.shape), bias.dtype)})")
+    return None
+
+
+@_op("skinny_linear_bf16(Tensor x, Tensor blocked, int out_features, Tensor? bias) -> Tensor",
+     lambda x, blocked, out_features, bias: x.new_empty(x.shape[0], out_features))
+def skinny_linear_bf16(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 `x` `[rows, in]` (1 <= rows <= `skinny_bf16_max_rows()`, contiguous) times a weight in
+    `blocked_weight_bf16`'s layout, plus `bias` `[out]`: `[rows, out]` bfloat16, summed in float32 and rounded once
+    (csrc/skinny_linear.c; tests/unit/test_skinny_linear_bf16.py)."""
+    _refuse("skinny_linear_bf16", _bf16_linear_problem(x, blocked, out_features, bias))
+    lib = _loaded("skinny_linear_bf16")
+    rows, in_features = x.shape
+    if rows > lib.skinny_bf16_max_rows:
+        raise ValueError(f"tgi_vlm::skinny_linear_bf16: inconsistent inputs ({rows} rows, at most "
+                         f"{lib.skinny_bf16_max_rows})")
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = lib.skinny_linear_bf16(x.data_ptr(), rows, in_features, blocked.data_ptr(), out_features,
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("tgi_vlm::skinny_linear_bf16: no memory for the paired input")
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::skinny_linear_bf16 refused {rows} rows of {in_features} -> {out_features}")
     return out

@@ -10,6 +10,7 @@ of sibling layers' weights (`layers/linear/fused.py`).
 | `TorchLinear` | GPU; CPU with the speed-ups off; tensor-parallel ranks; weights that are not plain tensors (a quantized or otherwise subclassed weight) | the layer's parameters, read at every call |
 | `BucketedLinear` | CPU, bf16/fp16 weights that cannot be packed (shared with another module, e.g. a tied lm-head; fp16; bf16 on a CPU without AVX-512BW) | the parameters; rows padded to `row_bucket` (`FusedBucketedLinear`: a concatenated copy for a fused group) |
 | `OneDnnPackedLinear` | CPU, bf16 (and float32 on a torch without MKL) | oneDNN's blocked copy; the plain weight released |
+| `OneDnnPackedSkinnyLinear` | CPU, bf16, with the native bf16 loop for 1..4 rows where it loads (AVX512-BF16) and memory allows a second copy | oneDNN's copy + the native loop's blocked copy |
 | `MklPackedLinear` | CPU, float32 where torch has MKL's packed GEMM | MKL's packed copy; plain weight released |
 | `MklSkinnyLinear` | as MKL, plus the native decode loop for 1..24 rows where the library loads and memory allows a second copy | MKL's packed copy + the native loop's blocked copy |
 
@@ -251,6 +252,26 @@ class OneDnnPackedLinear(OwnedLinear):
         flat, rows = padded_rows(x)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], self.out_features)
+
+
+class OneDnnPackedSkinnyLinear(OneDnnPackedLinear):
+    """bfloat16 through oneDNN's packed copy, and for 1..`skinny_linear.BF16_MAX_ROWS` rows (decode batches, an
+    lm-head's last rows) the native bf16 loop over a second, blocked copy (layers/skinny_linear.py: it streams the
+    weights ~1.3x faster there; oneDNN's AMX kernel wins past a few rows)."""
+
+    name = "onednn-packed+native-skinny"
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        from tgi_vlm.layers.skinny_linear import SkinnyBf16Weight
+
+        super()._pack(weight)
+        self.skinny = SkinnyBf16Weight(weight)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.skinny.takes(rows):
+            return self.skinny(x, self.bias)
+        return super()._product(x)
 
 
 class OneDnnPackedGemvLinear(OneDnnPackedLinear):

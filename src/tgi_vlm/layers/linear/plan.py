@@ -12,10 +12,11 @@ what runs. The rules, in order, for one layer:
 3. float16 (no fast oneDNN float16 path on most CPUs), a dtype oneDNN cannot prepack on this CPU (bf16 without
    AVX-512BW/AVX-NE-CONVERT: `can_pack_weights`), or a weight another module shares (a tied lm-head) where a
    second copy does not fit (`decode_copy` false): `torch-bucketed` for bf16/fp16 (rows padded), else `torch`;
-4. a shared weight otherwise: the packed kernel rule 5 gives its dtype, without the decode extras, its plain
+4. a shared weight otherwise: the packed kernel rule 5 gives its dtype (float32: without the decode extras), its plain
    weight kept for the other owner (`...+plain-kept`: the tied lm-head of a 262k vocabulary is the largest product
    of a decode step);
-5. bfloat16: `onednn-packed`; float32 on an Intel CPU where torch has MKL's packed GEMM and the shape's packed
+5. bfloat16: `onednn-packed`, with the native bf16 loop for 1..4 rows (`onednn-packed+native-skinny`) when the
+   second copy fits (`decode_copy`) and the loop loads (`skinny_bf16`: AVX512-BF16), a tied head included; float32 on an Intel CPU where torch has MKL's packed GEMM and the shape's packed
    layout checks out (`mkl_serves_float32`, `mkl_layout_agrees`): `mkl-packed`, with the native skinny loop for
    decode rows (`mkl-packed+native-skinny`) when the second copy fits in memory (`decode_copy`) and the native
    library loads; float32 elsewhere: `onednn-packed`, with the plain weight kept for one-row products
@@ -41,6 +42,7 @@ from tgi_vlm.layers.linear.kernels import (
     MklSkinnyLinear,
     OneDnnPackedGemvLinear,
     OneDnnPackedLinear,
+    OneDnnPackedSkinnyLinear,
     PlainWeights,
     TorchLinear,
     can_pack_weights,
@@ -63,6 +65,7 @@ class PlanOptions:
     sharded: bool = False
     decode_copy: bool = False  # a second copy fits: float32 decode extras, a tied head packed beside its embedding
     skinny: bool = False  # the native skinny-linear library loads (and is switched on)
+    skinny_bf16: bool = False  # its bf16 loop loads too (AVX512-BF16)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,8 @@ def choose_kernel(module: torch.nn.Linear, options: PlanOptions, *, shared: bool
             or (shared and not options.decode_copy) or weight.dtype not in (torch.bfloat16, torch.float32)):
         return BucketedLinear(source) if weight.dtype in _REDUCED else TorchLinear(source)
     if weight.dtype == torch.bfloat16:
+        if options.decode_copy and options.skinny_bf16:
+            return OneDnnPackedSkinnyLinear(source, keeps_plain=shared)
         return OneDnnPackedLinear(source, keeps_plain=shared)
     return _float32_kernel(source, options, shared=shared)
 

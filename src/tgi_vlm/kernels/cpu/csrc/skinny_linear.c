@@ -121,6 +121,124 @@ int tgi_vlm_skinny_linear(const float* x, int64_t rows, int64_t k, const float* 
 
 int tgi_vlm_skinny_max_rows(void) { return MAX_ROWS; }
 
+#if defined(__AVX512BF16__)
+/* bfloat16 linears for few rows, on CPUs with AVX512-BF16 (the op tgi_vlm::skinny_linear_bf16).
+
+   Why: a bf16 decode step of Gemma 3 270M streamed its decoder weights through oneDNN's packed kernel at ~12 GB/s
+   and its tied 262k-row lm-head at ~21 GB/s, where the host reads ~26 GB/s (benchmarks/results/cpu-profile.md).
+
+   Layout (`ops.blocked_weight_bf16`): columns in blocks of 16, each block k-pair-major ([N/16][K/2][16][2]): one
+   64-byte load is 16 columns' weights for two consecutive k, what one VDPBF16PS multiplies by a broadcast pair
+   (x[k], x[k+1]). N is padded to a multiple of 32 and K to an even count with zeros.
+
+   Sums: each VDPBF16PS adds the two exact products of a pair to the float32 accumulator (round to nearest even;
+   the instruction treats bf16 denormals as zero and flushes denormal results), pairs in k order within a chunk of
+   K_CHUNK k, chunks added in order; the bias (bf16, widened) is added last and the float32 result rounded to bf16
+   once, as oneDNN's bf16 product rounds it. Not oneDNN's summation order: outputs may differ from it by an ulp of
+   bf16 (tests/unit/test_skinny_linear_bf16.py holds them to float64's within the bound of float32 sums). */
+ALWAYS_INLINE void tile_bf16(const int R, const uint32_t* xt, int64_t stride, const uint16_t* w0, const uint16_t* w1,
+                             int64_t pairs, __m512* part0, __m512* part1) {
+    __m512 a0[ROW_TILE], a1[ROW_TILE];
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+        _mm_prefetch((const char*)(w0 + (i + PREFETCH_K) * 32), _MM_HINT_T0);
+        _mm_prefetch((const char*)(w1 + (i + PREFETCH_K) * 32), _MM_HINT_T0);
+        __m512bh v0 = (__m512bh)_mm512_load_si512((const void*)(w0 + i * 32));
+        __m512bh v1 = (__m512bh)_mm512_load_si512((const void*)(w1 + i * 32));
+        const uint32_t* xk = xt + i * stride;
+#pragma GCC unroll 14
+        for (int r = 0; r < R; ++r) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)xk[r]);
+            a0[r] = _mm512_dpbf16_ps(a0[r], v0, b);
+            a1[r] = _mm512_dpbf16_ps(a1[r], v1, b);
+        }
+    }
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+        part0[r] = a0[r];
+        part1[r] = a1[r];
+    }
+}
+
+ALWAYS_INLINE void tile_rows_bf16(int R, const uint32_t* xt, int64_t stride, const uint16_t* w0, const uint16_t* w1,
+                                  int64_t pairs, __m512* part0, __m512* part1) {
+    switch (R) {
+#define CASE(n) \
+    case n: tile_bf16(n, xt, stride, w0, w1, pairs, part0, part1); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+        CASE(14)
+#undef CASE
+    }
+}
+
+ALWAYS_INLINE __m512 bias_bf16(const uint16_t* bias, __mmask16 mask, int64_t col) {
+    if (!bias) return _mm512_setzero_ps();
+    __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + col);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* Output columns [32 pair, 32 pair + 32) for every row; k2 = K / 2 (K padded even). */
+static void pair_of_blocks_bf16(const uint32_t* xt, int64_t rows, int64_t k2, const uint16_t* w, int64_t n,
+                                int64_t pair, const uint16_t* bias, uint16_t* y) {
+    const uint16_t* w0 = w + (size_t)(2 * pair) * (size_t)k2 * 32;
+    const uint16_t* w1 = w0 + (size_t)k2 * 32;
+    const int64_t col = pair * 32;
+    const __mmask16 mask0 = columns_left(n, col), mask1 = columns_left(n, col + 16);
+    const __m512 b0 = bias_bf16(bias, mask0, col), b1 = bias_bf16(bias, mask1, col + 16);
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE, per_tile = (rows + tiles - 1) / tiles;
+    const int64_t chunk = K_CHUNK / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += per_tile) {
+        const int R = (int)(rows - r0 < per_tile ? rows - r0 : per_tile);
+        __m512 acc0[ROW_TILE], acc1[ROW_TILE], part0[ROW_TILE], part1[ROW_TILE];
+        for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int64_t p0 = 0; p0 < k2; p0 += chunk) {
+            const int64_t pc = k2 - p0 < chunk ? k2 - p0 : chunk;
+            tile_rows_bf16(R, xt + p0 * rows + r0, rows, w0 + p0 * 32, w1 + p0 * 32, pc, part0, part1);
+            for (int r = 0; r < R; ++r) {
+                acc0[r] = _mm512_add_ps(acc0[r], part0[r]);
+                acc1[r] = _mm512_add_ps(acc1[r], part1[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            uint16_t* yr = y + (size_t)(r0 + r) * (size_t)n;
+            _mm256_mask_storeu_epi16(yr + col, mask0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], b0)));
+            _mm256_mask_storeu_epi16(yr + col + 16, mask1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], b1)));
+        }
+    }
+}
+
+/* y[rows][n] = x[rows][k] W^T (+ bias[n]), bfloat16 in and out; x, y row-major and contiguous; w in the blocked
+   layout above (k padded to even, n to a multiple of 32, 64-byte aligned), on `threads` OpenMP threads. Returns 0;
+   -1 for rows outside 1..MAX_ROWS or an empty k or n; -2 when memory for the pairs of x cannot be had. */
+int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n,
+                               const uint16_t* bias, uint16_t* y, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1) return -1;
+    const int64_t k2 = (k + 1) / 2;
+    uint32_t* xt = (uint32_t*)aligned_alloc(64, ((size_t)(k2 * rows) * 4 + 63) / 64 * 64);
+    if (xt == NULL) return -2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < k2; ++i) {
+            const uint32_t lo = x[r * k + 2 * i], hi = 2 * i + 1 < k ? x[r * k + 2 * i + 1] : 0;
+            xt[i * rows + r] = lo | (hi << 16);
+        }
+    const int64_t pairs = (n + 31) / 32;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t p = 0; p < pairs; ++p) pair_of_blocks_bf16(xt, rows, k2, w, n, p, bias, y);
+    free(xt);
+    return 0;
+}
+
+int tgi_vlm_skinny_bf16_max_rows(void) { return MAX_ROWS; }
+#else /* AVX-512 without its BF16 extension: the bf16 loop is not built (max rows 0) */
+int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n,
+                               const uint16_t* bias, uint16_t* y, int threads) {
+    (void)x, (void)rows, (void)k, (void)w, (void)n, (void)bias, (void)y, (void)threads;
+    return -1;
+}
+int tgi_vlm_skinny_bf16_max_rows(void) { return 0; }
+#endif
+
 #else /* no AVX-512: nothing runs here (the loader reads max rows 0) */
 int tgi_vlm_skinny_linear(const float* x, int64_t rows, int64_t k, const float* w, int64_t n, const float* bias,
                           float* y, int threads) {
@@ -128,4 +246,10 @@ int tgi_vlm_skinny_linear(const float* x, int64_t rows, int64_t k, const float* 
     return -1;
 }
 int tgi_vlm_skinny_max_rows(void) { return 0; }
+int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n,
+                               const uint16_t* bias, uint16_t* y, int threads) {
+    (void)x, (void)rows, (void)k, (void)w, (void)n, (void)bias, (void)y, (void)threads;
+    return -1;
+}
+int tgi_vlm_skinny_bf16_max_rows(void) { return 0; }
 #endif
