@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,8 +49,8 @@ RUN_TIMEOUT_S = 1800
 
 @dataclass(frozen=True)
 class Run:
-    system: str  # tgi-vlm | vllm
-    dtype: str  # as requested: default/auto or a dtype name
+    system: str  # tgi-vlm | vllm | llamacpp
+    dtype: str  # as requested: default/auto or a dtype name (llamacpp: the GGUF's key, e.g. bfloat16, q4_k_m)
     prefix_caching: bool
     compile: bool = False  # vLLM only: torch.compile instead of enforce_eager
     round: int = 0  # --rounds: the whole list again, alternating which system goes first
@@ -71,6 +71,9 @@ class Context:
     workload: Workload
     runs_dir: Path  # each run's own results and log
     vllm_python: Path
+    llamacpp_server: Path | None = None
+    llamacpp_gguf: dict[str, str] = field(default_factory=dict)  # dtype key -> GGUF file
+    llamacpp_flags: tuple[str, ...] = ()
 
 
 def plan(a: argparse.Namespace) -> list[Run]:
@@ -90,7 +93,20 @@ def plan(a: argparse.Namespace) -> list[Run]:
                     pair += [Run("vllm", vllm_dtype, prefix, compiled, round=round_)
                              for compiled in [True] + ([False] if a.vllm_eager else [])]
                 runs += pair[::-1] if round_ % 2 else pair
+        if "llamacpp" in a.systems:  # once a round: its prompt cache is off in every run (no shared prefixes)
+            runs += [Run("llamacpp", key, False, round=round_) for key in llamacpp_files(a)]
     return runs
+
+
+def llamacpp_files(a: argparse.Namespace) -> dict[str, str]:
+    """--llamacpp-gguf KEY=FILE, in the order given (KEY: the dtype it is compared at, or a quantization name)."""
+    files = {}
+    for item in a.llamacpp_gguf:
+        key, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"--llamacpp-gguf takes KEY=FILE (e.g. bfloat16=/tmp/gguf/gemma-bf16.gguf), got {item!r}")
+        files[key] = path
+    return files
 
 
 # ----- tgi-vlm ---------------------------------------------------------------------------------
@@ -146,6 +162,22 @@ def run_vllm(run: Run, ctx: Context) -> dict:
             "prompt_check": s["prompt_check"], "config": report["config"], "versions": report["versions"]}
 
 
+# ----- llama.cpp --------------------------------------------------------------------------------
+
+def run_llamacpp(run: Run, ctx: Context) -> dict:
+    out = ctx.runs_dir / f"{run.name}.json"
+    command = [sys.executable, str(HERE / "llamacpp_runner.py"), str(ctx.workload.directory),
+               "--server", str(ctx.llamacpp_server), "--gguf", ctx.llamacpp_gguf[run.dtype], "--json", str(out),
+               "--", *ctx.llamacpp_flags]
+    run_logged(command, ctx.runs_dir / f"{run.name}.log")
+    report = json.loads(out.read_text())
+    s = report["serving"]
+    checks = {"same_workload_digest": report["workload_digest"] == ctx.workload.digest,
+              "exact_output_tokens": not s["wrong_output_lengths"] and s["failed"] == 0,
+              "prompt_token_counts_equal": not s["prompt_tokens_differ"]}
+    return {"dtype": run.dtype, "serving": serving_fields(s), "checks": checks, "config": report["config"]}
+
+
 def run_logged(command: list[str], log: Path) -> None:
     with open(log, "w") as f:
         done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
@@ -165,7 +197,7 @@ def execute(run: Run, ctx: Context) -> dict:
     row = {"run": asdict(run), "name": run.name, "load_avg_1m_start": os.getloadavg()[0]}
     started = time.perf_counter()
     try:
-        row |= (run_tgi_vlm if run.system == "tgi-vlm" else run_vllm)(run, ctx)
+        row |= {"tgi-vlm": run_tgi_vlm, "vllm": run_vllm, "llamacpp": run_llamacpp}[run.system](run, ctx)
         row["error"] = None
     except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
         row["error"] = str(exc)
@@ -193,6 +225,38 @@ def ratios(rows: list[dict]) -> list[dict]:
             sa, sb = a["serving"], b["serving"]
             out.append({"compared": label, "prefix_caching": prefix, "round": a["run"].get("round", 0),
                         "tgi_vlm": a["name"], "vllm": b["name"],
+                        "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
+                        "req_per_s": sa["req_per_s"] / sb["req_per_s"],
+                        "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
+                        "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])})
+    return out
+
+
+def llamacpp_ratios(rows: list[dict]) -> list[dict]:
+    """tgi-vlm / llama.cpp: at equal precision (tgi-vlm's dtype, its default's included, equal to the GGUF's key),
+    and tgi-vlm's default against each quantized file (marked as such: not equal precision). Prefix cache: tgi-vlm's
+    off rows where there are, else its default (the workload shares no prefix; llama.cpp's cache is off)."""
+    ok = [r for r in rows if r["error"] is None]
+    peers = [r for r in ok if r["run"]["system"] == "llamacpp"]
+    tgi = [r for r in ok if r["run"]["system"] == "tgi-vlm"]
+    if any(not r["run"]["prefix_caching"] for r in tgi):
+        tgi = [r for r in tgi if not r["run"]["prefix_caching"]]
+    out = []
+    for b in peers:
+        key = b["run"]["dtype"]
+        for a in tgi:
+            if a["run"].get("round", 0) != b["run"].get("round", 0):
+                continue
+            if a["dtype"] == key:
+                label = f"llama.cpp {key}, equal precision" + (" (tgi-vlm default)" if a["run"]["dtype"] == "default"
+                                                               else "")
+            elif a["run"]["dtype"] == "default" and key not in ("float32", "bfloat16", "float16"):
+                label = f"llama.cpp {key} vs tgi-vlm default ({a['dtype']}): not equal precision"
+            else:
+                continue
+            sa, sb = a["serving"], b["serving"]
+            out.append({"compared": label, "prefix_caching": a["run"]["prefix_caching"],
+                        "round": a["run"].get("round", 0), "tgi_vlm": a["name"], "vllm": b["name"],
                         "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
                         "req_per_s": sa["req_per_s"] / sb["req_per_s"],
                         "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
@@ -241,7 +305,7 @@ def git_commit() -> str | None:
 def markdown(report: dict) -> str:
     m = report["machine"]
     w = report["workload"]
-    lines = [f"# tgi-vlm vs vLLM (CPU) on `tgi-vlm bench`'s requests — {m['date']}", "",
+    lines = [f"# tgi-vlm vs its peers (CPU) on `tgi-vlm bench`'s requests — {m['date']}", "",
              f"{m['cpu']}, {m['cores']} cores; 1-min load average {m['load_avg_1m']:.1f} at the start, "
              f"{report['machine_end']['load_avg_1m']:.1f} at the end. tgi-vlm {m['tgi_vlm_commit']} "
              f"(torch {m['torch']}, transformers {m['transformers']}); "
@@ -254,7 +318,8 @@ def markdown(report: dict) -> str:
              "Every run: one warm-up request first; TTFT from submission (before tokenizing and image processing) "
              "to the first token; ITL = gaps between a request's tokens; prefill budget 2048 tokens, max length "
              "2048, 1 GB KV cache, all cores. vLLM: its defaults (compiled: CompilationMode.DYNAMO_TRACE_ONCE, inductor) "
-             "unless marked eager (enforce_eager), chunked prefill.", ""]
+             "unless marked eager (enforce_eager), chunked prefill. llama.cpp (text workloads): llama-server with one "
+             "slot per request in flight, the shard's prompt token ids, prompt cache off (llamacpp_runner.py).", ""]
     # Only the load before the first run tells of other work: by the end, it counts these runs' own.
     if m["load_avg_1m"] > (m["cores"] or 1) / 2:
         lines += [f"**The machine was not idle** (load average above half its {m['cores']} cores before the "
@@ -277,14 +342,15 @@ def markdown(report: dict) -> str:
                      f"{_ms(s['ttft_s'])} | {_ms(s['itl_s'])} | {s['wall_s']:.1f} | "
                      f"{'FAILED: ' + checks if checks else 'ok'} |")
     if report["ratios"]:
-        lines += ["", "tgi-vlm / vLLM (throughput > 1 and latency < 1: tgi-vlm ahead):", "",
+        lines += ["", "tgi-vlm / peer (throughput > 1 and latency < 1: tgi-vlm ahead; the peer is vLLM at its defaults "
+                  "unless the row names llama.cpp):", "",
                   "| compared | prefix cache | round | out tok/s | req/s | TTFT p50 | ITL p50 |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for q in report["ratios"]:
             lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['round'] + 1} | "
                          f"{q['out_tok_per_s']:.2f} | {q['req_per_s']:.2f} | {_x(q['ttft_p50'])} | {_x(q['itl_p50'])} |")
     if report.get("rounds", 1) > 1 and report["ratios"]:
-        lines += ["", f"Across the {report['rounds']} rounds (each a tgi-vlm run next to a vLLM run), out tok/s ratio:", "",
+        lines += ["", f"Across the {report['rounds']} rounds (each a tgi-vlm run next to its peers' runs), out tok/s ratio:", "",
                   "| compared | prefix cache | median | min – max | rounds |", "|---|---|---:|---:|---|"]
         for q in summary(report["ratios"]):
             lines.append(f"| {q['compared']} | {'on' if q['prefix_caching'] else 'off'} | {q['median']:.2f} | "
@@ -343,7 +409,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-n", "--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", nargs="+", choices=("tgi-vlm", "vllm"), default=["tgi-vlm", "vllm"])
+    p.add_argument("--systems", nargs="+", choices=("tgi-vlm", "vllm", "llamacpp"), default=["tgi-vlm", "vllm"])
+    p.add_argument("--llamacpp-server", type=Path,
+                   default=Path(tempfile.gettempdir()) / "llamacpp-build" / "bin" / "llama-server",
+                   help="llama.cpp's llama-server (../shared/peers/llamacpp/setup_llamacpp.sh builds it)")
+    p.add_argument("--llamacpp-gguf", action="append", default=[], metavar="KEY=FILE",
+                   help="a GGUF file for llama.cpp and what it is compared at: bfloat16=..., float32=... (equal "
+                        "precision), or a quantization name (q4_k_m=...); repeat for several. Text workloads only")
+    p.add_argument("--llamacpp-flags", default="", help="extra llama-server flags, e.g. '-nr' (no AMX repacking, "
+                                                         "which crashes on quantized files on AMX CPUs)")
     p.add_argument("--dtypes", nargs="+", choices=("default", "auto", "float32", "bfloat16"),
                    default=["default", "float32", "bfloat16"],
                    help="default (= auto): each system's own (tgi-vlm: no --dtype; vLLM: auto)")
@@ -377,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                                images_per_request=a.images_per_request)
     runs_dir = a.work_dir / "runs" / a.name
     runs_dir.mkdir(parents=True, exist_ok=True)
-    ctx = Context(model, workload, runs_dir, a.vllm_python)
+    ctx = Context(model, workload, runs_dir, a.vllm_python, a.llamacpp_server, llamacpp_files(a),
+                  tuple(a.llamacpp_flags.split()))
     print(f"workload {workload.digest}: {len(workload.requests)} requests; {len(runs)} runs, one at a time",
           flush=True)
     rows = []
@@ -392,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
                            "requests": len(workload.requests),
                            "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests),
                            "output_tokens": sum(r.max_new_tokens for r in workload.requests)},
-              "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows, "ratios": ratios(rows),
+              "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows,
+              "ratios": ratios(rows) + llamacpp_ratios(rows),
               "rounds": a.rounds}
     report["summary"] = summary(report["ratios"])
     a.out_dir.mkdir(parents=True, exist_ok=True)

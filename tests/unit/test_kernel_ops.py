@@ -23,9 +23,10 @@ def test_the_ops_are_registered_in_the_tgi_vlm_namespace_with_the_tensors_they_m
     mutated = {name: [a.name for a in getattr(torch.ops.tgi_vlm, name).default._schema.arguments
                       if a.alias_info is not None and a.alias_info.is_write]
                for name in ("decode_attention", "rotary_and_store", "rms_norm", "gemma_rms_norm", "skinny_linear",
-                            "skinny_linear_bf16")}
+                            "skinny_linear_bf16", "greedy_logsumexp")}
     assert mutated == {"decode_attention": ["out"], "rotary_and_store": ["k_cache", "v_cache"], "rms_norm": [],
-                       "gemma_rms_norm": ["out"], "skinny_linear": [], "skinny_linear_bf16": []}
+                       "gemma_rms_norm": ["out"], "skinny_linear": [], "skinny_linear_bf16": [],
+                       "greedy_logsumexp": []}
 
 
 def test_fake_implementations_give_the_output_shapes_without_running_anything():

@@ -185,3 +185,79 @@ def test_compare_pairs_runs_within_their_round_and_summarizes_the_median_ratio()
     assert [(q["round"], q["out_tok_per_s"]) for q in ratios] == [(0, 0.9), (1, 1.2), (2, 1.0)]
     [summary] = compare.summary(ratios)
     assert (summary["median"], summary["min"], summary["max"], summary["rounds"]) == (1.0, 0.9, 1.2, 3)
+
+
+def test_compare_plans_llamacpp_once_a_round_and_pairs_it_at_equal_precision_or_marks_the_quantized_file():
+    args = compare.parse_args(["--systems", "tgi-vlm", "llamacpp", "--dtypes", "default", "bfloat16",
+                               "--prefix-caching", "default", "--llamacpp-gguf", "bfloat16=/m/g-bf16.gguf",
+                               "--llamacpp-gguf", "q4_k_m=/m/g-q4.gguf", "--rounds", "2"])
+    assert [r.name for r in compare.plan(args)] == [
+        "tgi-vlm-default-prefix-on", "tgi-vlm-bfloat16-prefix-on", "llamacpp-bfloat16-prefix-off",
+        "llamacpp-q4_k_m-prefix-off", "tgi-vlm-default-prefix-on-r1", "tgi-vlm-bfloat16-prefix-on-r1",
+        "llamacpp-bfloat16-prefix-off-r1", "llamacpp-q4_k_m-prefix-off-r1"]
+    with pytest.raises(SystemExit, match="KEY=FILE"):
+        compare.llamacpp_files(compare.parse_args(["--llamacpp-gguf", "/m/no-key.gguf"]))
+
+    def row(system: str, asked: str, dtype: str, tok_s: float) -> dict:
+        serving = {"out_tok_per_s": tok_s, "req_per_s": tok_s / 10, "ttft_s": {"p50": 1.0}, "itl_s": {"p50": 0.1}}
+        return {"run": {"system": system, "dtype": asked, "prefix_caching": system == "tgi-vlm", "compile": False,
+                        "round": 0}, "name": f"{system}-{asked}", "dtype": dtype, "error": None, "serving": serving}
+
+    rows = [row("tgi-vlm", "default", "bfloat16", 30.0), row("tgi-vlm", "float32", "float32", 20.0),
+            row("llamacpp", "bfloat16", "bfloat16", 25.0), row("llamacpp", "q4_k_m", "q4_k_m", 40.0),
+            row("llamacpp", "float32", "float32", 10.0)]
+    got = [(q["compared"], q["tgi_vlm"], q["out_tok_per_s"]) for q in compare.llamacpp_ratios(rows)]
+    assert got == [("llama.cpp bfloat16, equal precision (tgi-vlm default)", "tgi-vlm-default", 30 / 25),
+                   ("llama.cpp q4_k_m vs tgi-vlm default (bfloat16): not equal precision", "tgi-vlm-default", 30 / 40),
+                   ("llama.cpp float32, equal precision", "tgi-vlm-float32", 20 / 10)]
+    assert compare.ratios(rows) == []  # no vLLM rows: nothing against vLLM
+
+
+STUB_SERVER = '''
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+assert sys.argv[sys.argv.index("-np") + 1] == "2" and sys.argv[sys.argv.index("-c") + 1] == "4096"
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args): pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["ignore_eos"] and body["temperature"] == 0 and not body["cache_prompt"]
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        n = body["n_predict"] - (1 if body["prompt"][0] == 13 else 0)  # request "13" comes one token short
+        sent = 0
+        while sent < n:
+            k = 2 if n - sent >= 2 and sent % 3 == 1 else 1  # some events carry two tokens
+            time.sleep(0.002)
+            event = {"content": "x", "tokens": list(range(k)), "stop": False}
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\\n\\n"); self.wfile.flush()
+            sent += k
+        done = {"content": "", "tokens": [], "stop": True, "tokens_evaluated": len(body["prompt"])}
+        self.wfile.write(b"data: " + json.dumps(done).encode() + b"\\n\\n"); self.wfile.flush()
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_the_llamacpp_runner_drives_a_server_in_a_closed_loop_and_checks_every_length(tmp_path):
+    """Against a stand-in llama-server (same flags, same streamed events): every request's tokens are counted,
+    events carrying two tokens included; a request that comes back one token short is named; the prompt sent is
+    the shard's token ids (the server's evaluated count equals theirs)."""
+    import llamacpp_runner
+    from workload_file import write_workload
+
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{STUB_SERVER}")
+    server.chmod(0o755)
+    requests = [(f"p{i}", [], 5 + i, [13 if i == 2 else 1, 2, 3][: 1 + i % 3]) for i in range(5)]
+    workload = write_workload(tmp_path / "w", model="m", model_type="gemma3_text", spec={"concurrency": 2},
+                              warmup=("warm up", [], 2), requests=requests)
+    out = tmp_path / "out.json"
+    llamacpp_runner.main([str(workload.directory), "--server", str(server), "--gguf", "m.gguf", "--json", str(out)])
+    report = json.loads(out.read_text())
+    s = report["serving"]
+    assert report["workload_digest"] == workload.digest and s["failed"] == 0
+    assert s["wrong_output_lengths"] == [2] and s["prompt_tokens_differ"] == []
+    assert s["output_tokens"] == sum(5 + i for i in range(5)) - 1
+    assert s["ttft_s"]["p50"] > 0 and s["itl_s"]["p50"] >= 0 and s["out_tok_per_s"] == s["output_tokens"] / s["wall_s"]

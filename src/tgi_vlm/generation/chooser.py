@@ -16,6 +16,7 @@ import torch
 
 from tgi_vlm.generation.logits_process import LogitBias, LogitsPipeline, Watermark
 from tgi_vlm.generation.parameters import SamplingParameters
+from tgi_vlm.kernels.cpu import ops
 
 
 class TokenChooser:
@@ -118,8 +119,12 @@ def choose_tokens(
             f"{len(histories)} histories; they must be equal"
         )
     scores = logits.float()  # [B, V]; upcasting never changes an argmax
+    greedy = all(chooser.is_greedy_plain for chooser in choosers)
+    if greedy and allowed is None and not keep_logprob_rows and ops.can_choose_greedily(scores):
+        ids, chosen, lse = ops.greedy_logsumexp(scores)  # one native pass: argmax's choice, its score, logsumexp
+        return ChosenTokens(ids.tolist(), (chosen - lse).tolist(), None)
     chosen = None  # [B] the chosen tokens' scores, where the greedy path has them at hand
-    if all(chooser.is_greedy_plain for chooser in choosers):
+    if greedy:
         if allowed is not None:
             scores = scores.masked_fill(~allowed, -torch.inf)
         # max(dim) gives argmax's index (the first of equal maxima, NaN propagated) and the value, and runs ~3x

@@ -8,7 +8,7 @@ renamed into place, so two shards starting together never load a half-written fi
 
 Two libraries, so that what runs anywhere is not lost where the rest cannot run:
 - `portable`: rotary_kv.c and rms_norm.c, scalar C, on any x86-64 Linux with a C compiler;
-- `avx512`: decode_attention.c and skinny_linear.c, AVX-512 intrinsics; not built on a CPU without AVX-512F.
+- `avx512`: decode_attention.c, skinny_linear.c and greedy.c, AVX-512 intrinsics; not built on a CPU without AVX-512F.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ BUILD_TIMEOUT_S = 120
 # so compiled without -ffast-math and without contracting a * b + c into one fused multiply-add (each product is
 # rounded, as torch rounds it).
 SCALAR_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-c")
-# Decode attention: compiled with -ffast-math (glibc's vector expf needs it) but linked without it: linked with it,
+# Decode attention and the greedy choice's logsumexp: compiled with -ffast-math (glibc's vector expf needs it) but linked without it: linked with it,
 # GCC < 13 adds crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole process on
 # load.
 ATTENTION_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
@@ -69,7 +69,8 @@ class LibrarySpec:
 
 PORTABLE = LibrarySpec("portable", (Source("rotary_kv.c", SCALAR_FLAGS), Source("rms_norm.c", SCALAR_FLAGS)),
                        headers=("bf16.h",))
-AVX512 = LibrarySpec("avx512", (Source("decode_attention.c", ATTENTION_FLAGS), Source("skinny_linear.c", LINEAR_FLAGS)),
+AVX512 = LibrarySpec("avx512", (Source("decode_attention.c", ATTENTION_FLAGS), Source("skinny_linear.c", LINEAR_FLAGS),
+                                Source("greedy.c", ATTENTION_FLAGS)),
                      needs_cpu_flag="avx512f", needs_cpu_feature="AVX-512")
 LIBRARIES = (PORTABLE, AVX512)
 

@@ -45,7 +45,7 @@ class PortableLibrary:
 
 
 class Avx512Library:
-    """decode_attention.c and skinny_linear.c; `attention_dtypes`: the dtypes its decode attention computes (none
+    """decode_attention.c, skinny_linear.c and greedy.c; `attention_dtypes`: the dtypes its decode attention computes (none
     when built without AVX-512), `skinny_max_rows` / `skinny_bf16_max_rows`: the most rows its float32 / bfloat16
     linear takes (0: none; the bf16 one needs AVX512-BF16)."""
 
@@ -60,6 +60,7 @@ class Avx512Library:
         self.skinny_max_rows = library.tgi_vlm_skinny_max_rows()
         self.skinny_linear_bf16 = _bind(library, "tgi_vlm_skinny_linear_bf16", [_P, _I64, _I64, _P, _I64, _P, _P, _INT])
         self.skinny_bf16_max_rows = library.tgi_vlm_skinny_bf16_max_rows()  # 0: built without AVX512-BF16
+        self.greedy_logsumexp = _bind(library, "tgi_vlm_greedy_logsumexp", [_P, _I64, _I64, _I64, _P, _P, _P, _INT])
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.attention_dtypes = frozenset(dtype for dtype, code in DTYPE_CODES.items() if codes & code)
 
@@ -67,7 +68,7 @@ class Avx512Library:
 # Which library holds each op (ops.py registers them as tgi_vlm::<name>).
 OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "gemma_rms_norm": "portable",
               "decode_attention": "avx512",
-              "skinny_linear": "avx512", "skinny_linear_bf16": "avx512"}
+              "skinny_linear": "avx512", "skinny_linear_bf16": "avx512", "greedy_logsumexp": "avx512"}
 _BINDINGS = {"portable": PortableLibrary, "avx512": Avx512Library}
 
 

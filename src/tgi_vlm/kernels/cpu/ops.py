@@ -19,6 +19,7 @@ otherwise.
 | `rms_norm` | transformers' Llama-family RMSNorm | nothing |
 | `gemma_rms_norm` | transformers' Gemma RMSNorm (`(1 + w)`, one rounding), per head of `[T, G, H]` | `out` (may be `x`) |
 | `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
+| `greedy_logsumexp` | per float32 row: the max's first index, the max, logsumexp | nothing |
 | `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
 """
 
@@ -127,7 +128,9 @@ def _decode_index_problem(q: torch.Tensor, k_cache: torch.Tensor, slot_index: to
     largest = slot_bound(slot_index, empty=0)
     if largest >= k_cache.shape[0]:
         return f"a slot past the cache of {k_cache.shape[0]} slots, or negative (largest: {largest})"
-    (rows_low, starts_low, _), (rows_high, _, ends_high) = (v.tolist() for v in row_spans.aminmax(dim=1))
+    # a host list's min/max (one row per decoding sequence): aminmax's OpenMP region cost ~60 us per layer
+    rows, starts, ends = row_spans.tolist()
+    rows_low, rows_high, starts_low, ends_high = min(rows), max(rows), min(starts), max(ends)
     if rows_low < 0 or rows_high >= q.shape[0]:
         return f"a row outside the query's {q.shape[0]} rows ({rows_low}..{rows_high})"
     if starts_low < 0 or ends_high > slot_index.shape[1]:
@@ -449,3 +452,42 @@ def skinny_linear_bf16(x: torch.Tensor, blocked: torch.Tensor, out_features: int
     if status != 0:
         raise RuntimeError(f"tgi_vlm::skinny_linear_bf16 refused {rows} rows of {in_features} -> {out_features}")
     return out
+
+
+# ----- greedy choice -----
+
+def _greedy_problem(scores: torch.Tensor) -> str | None:
+    if not (scores.is_cpu and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[1] >= 1
+            and scores.stride(1) == 1 and scores.stride(0) >= scores.shape[1]):
+        return (f"scores must be CPU float32 [B, V] with V >= 1 and rows of V contiguous, got {tuple(scores.shape)} "
+                f"{scores.dtype} strides {tuple(scores.stride())}")
+    return None
+
+
+def _greedy_fake(scores):
+    rows = scores.shape[0]
+    return scores.new_empty(rows, dtype=torch.long), scores.new_empty(rows), scores.new_empty(rows)
+
+
+@_op("greedy_logsumexp(Tensor scores) -> (Tensor, Tensor, Tensor)", _greedy_fake)
+def greedy_logsumexp(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 `scores` `[B, V]`: the index of the first maximum (argmax's choice; the first NaN where there
+    is one), the maximum, and the row's logsumexp, in one call (csrc/greedy.c): `[B]` int64, `[B]` and `[B]` float32.
+    The logsumexp is within float32 rounding of torch's (tests/unit/test_greedy_logsumexp.py)."""
+    _refuse("greedy_logsumexp", _greedy_problem(scores))
+    lib = _loaded("greedy_logsumexp")
+    rows = scores.shape[0]
+    ids = torch.empty(rows, dtype=torch.long)
+    chosen, lse = torch.empty(rows), torch.empty(rows)
+    if rows:
+        status = lib.greedy_logsumexp(scores.data_ptr(), rows, scores.shape[1], scores.stride(0), ids.data_ptr(),
+                                      chosen.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"tgi_vlm::greedy_logsumexp refused {tuple(scores.shape)}")
+    return ids, chosen, lse
+
+
+def can_choose_greedily(scores: torch.Tensor) -> bool:
+    """Whether `greedy_logsumexp` runs here on `scores` (the library loaded and the tensor fits)."""
+    kernels = library.loaded()
+    return (kernels is not None and kernels.available("greedy_logsumexp") and _greedy_problem(scores) is None)
