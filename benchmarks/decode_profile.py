@@ -37,7 +37,7 @@ from tgi_vlm.testing.machine import machine
 RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 128
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear",
-               "tgi_vlm::skinny_linear", "aten::matmul")
+               "tgi_vlm::skinny_linear", "tgi_vlm::skinny_linear_bf16", "aten::matmul")
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[str]:

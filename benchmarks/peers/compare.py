@@ -72,7 +72,7 @@ class Context:
     runs_dir: Path  # each run's own results and log
     vllm_python: Path
     llamacpp_server: Path | None = None
-    llamacpp_gguf: dict[str, str] = field(default_factory=dict)  # dtype key -> GGUF file
+    llamacpp_gguf: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # key -> (GGUF file, its flags)
     llamacpp_flags: tuple[str, ...] = ()
 
 
@@ -98,14 +98,16 @@ def plan(a: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def llamacpp_files(a: argparse.Namespace) -> dict[str, str]:
-    """--llamacpp-gguf KEY=FILE, in the order given (KEY: the dtype it is compared at, or a quantization name)."""
+def llamacpp_files(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
+    """--llamacpp-gguf KEY=FILE[,FLAGS], in the order given (KEY: the dtype it is compared at, or a quantization name;
+    FLAGS: extra llama-server flags for this file alone, e.g. `q4_k_m=FILE,-nr`)."""
     files = {}
     for item in a.llamacpp_gguf:
-        key, _, path = item.partition("=")
+        key, _, rest = item.partition("=")
+        path, _, flags = rest.partition(",")
         if not path:
             raise SystemExit(f"--llamacpp-gguf takes KEY=FILE (e.g. bfloat16=/tmp/gguf/gemma-bf16.gguf), got {item!r}")
-        files[key] = path
+        files[key] = (path, flags.split())
     return files
 
 
@@ -167,8 +169,8 @@ def run_vllm(run: Run, ctx: Context) -> dict:
 def run_llamacpp(run: Run, ctx: Context) -> dict:
     out = ctx.runs_dir / f"{run.name}.json"
     command = [sys.executable, str(HERE / "llamacpp_runner.py"), str(ctx.workload.directory),
-               "--server", str(ctx.llamacpp_server), "--gguf", ctx.llamacpp_gguf[run.dtype], "--json", str(out),
-               "--", *ctx.llamacpp_flags]
+               "--server", str(ctx.llamacpp_server), "--gguf", ctx.llamacpp_gguf[run.dtype][0], "--json", str(out),
+               "--", *ctx.llamacpp_flags, *ctx.llamacpp_gguf[run.dtype][1]]
     run_logged(command, ctx.runs_dir / f"{run.name}.log")
     report = json.loads(out.read_text())
     s = report["serving"]
@@ -415,7 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama.cpp's llama-server (../shared/peers/llamacpp/setup_llamacpp.sh builds it)")
     p.add_argument("--llamacpp-gguf", action="append", default=[], metavar="KEY=FILE",
                    help="a GGUF file for llama.cpp and what it is compared at: bfloat16=..., float32=... (equal "
-                        "precision), or a quantization name (q4_k_m=...); repeat for several. Text workloads only")
+                        "precision), or a quantization name (q4_k_m=...), with its own server flags after a comma "
+                        "(q4_k_m=FILE,-nr); repeat for several. Text workloads only")
     p.add_argument("--llamacpp-flags", default="", help="extra llama-server flags, e.g. '-nr' (no AMX repacking, "
                                                          "which crashes on quantized files on AMX CPUs)")
     p.add_argument("--dtypes", nargs="+", choices=("default", "auto", "float32", "bfloat16"),

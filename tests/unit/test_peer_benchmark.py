@@ -190,7 +190,8 @@ def test_compare_pairs_runs_within_their_round_and_summarizes_the_median_ratio()
 def test_compare_plans_llamacpp_once_a_round_and_pairs_it_at_equal_precision_or_marks_the_quantized_file():
     args = compare.parse_args(["--systems", "tgi-vlm", "llamacpp", "--dtypes", "default", "bfloat16",
                                "--prefix-caching", "default", "--llamacpp-gguf", "bfloat16=/m/g-bf16.gguf",
-                               "--llamacpp-gguf", "q4_k_m=/m/g-q4.gguf", "--rounds", "2"])
+                               "--llamacpp-gguf", "q4_k_m=/m/g-q4.gguf,-nr -t 2", "--rounds", "2"])
+    assert compare.llamacpp_files(args) == {"bfloat16": ("/m/g-bf16.gguf", []), "q4_k_m": ("/m/g-q4.gguf", ["-nr", "-t", "2"])}
     assert [r.name for r in compare.plan(args)] == [
         "tgi-vlm-default-prefix-on", "tgi-vlm-bfloat16-prefix-on", "llamacpp-bfloat16-prefix-off",
         "llamacpp-q4_k_m-prefix-off", "tgi-vlm-default-prefix-on-r1", "tgi-vlm-bfloat16-prefix-on-r1",

@@ -41,12 +41,14 @@ def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 @needs_the_loop
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-it-takes", "vdpbf16ps-loop"])
 @pytest.mark.parametrize("in_features,out_features", SHAPES)
 def test_products_round_once_to_bf16_within_float32_sums_for_every_row_count_it_takes(native, in_features,
-                                                                                       out_features):
+                                                                                       out_features, amx):
     """Against float64: every output within half a bf16 ulp plus the float32 sums' bound, with and without bias, at
-    every row count up to the C loop's limit (row tiles of 14); oneDNN's bf16 product is within the same bound, and
-    at least 9 in 10 outputs are its very value (the rest differ where the sums' order moves a rounding)."""
+    every row count up to the C loop's limit (row tiles of 14), on AMX tiles (where the CPU has them: 1..16 rows, the
+    width a multiple of 32) and on the VDPBF16PS loop; oneDNN's bf16 product is within the same bound, and at least
+    9 in 10 outputs are its very value (the rest differ where the sums' order moves a rounding)."""
     torch.manual_seed(in_features * 7 + out_features)
     weight = torch.randn(out_features, in_features).bfloat16()
     bias = torch.randn(out_features).bfloat16()
@@ -54,7 +56,7 @@ def test_products_round_once_to_bf16_within_float32_sums_for_every_row_count_it_
     for rows in (1, 2, 4, 5, 14, 15, 32):
         x = torch.randn(rows, in_features).bfloat16()
         for b in (bias, None):
-            got = ops.skinny_linear_bf16(x, blocked, out_features, b)
+            got = ops.skinny_linear_bf16(x, blocked, out_features, b, amx)
             assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
             exact, most = bound(x, weight, b)
             assert ((got.double() - exact).abs() <= most).all(), (rows, b is None)
@@ -104,16 +106,21 @@ def test_more_rows_than_the_c_loop_takes_are_refused(native):
 
 
 @needs_the_loop
-def test_the_kernel_sends_the_loop_up_to_its_row_limit_and_onednn_past_it(native):
-    """1..BF16_MAX_ROWS rows go to the native loop, one more to oneDNN's packed product (counted); both within one
-    rounding of the exact product (float32 sums apart), at every row count."""
+@pytest.mark.parametrize("in_features", [96, 90])
+def test_the_kernel_sends_the_native_product_up_to_its_row_limit_and_onednn_past_it(native, in_features):
+    """1..max_rows rows go to the native product, one more to oneDNN's packed product (counted); max_rows is AMX's
+    16 where the CPU has tiles and the width is a multiple of 32 (96), else the loop's 4 (90 wide); every result
+    within one rounding of the exact product (float32 sums apart)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(96, 80).bfloat16()
+    layer = torch.nn.Linear(in_features, 80).bfloat16()
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     give_kernel(layer, OneDnnPackedSkinnyLinear(PlainWeights((layer,))))
-    limit = skinny_linear.BF16_MAX_ROWS
+    layer(torch.zeros(1, in_features).bfloat16())  # packs
+    limit = layer.linear_kernel.skinny.max_rows
+    amx = ops.amx_max_rows() >= skinny_linear.AMX_MAX_ROWS and in_features % 32 == 0
+    assert limit == (skinny_linear.AMX_MAX_ROWS if amx else skinny_linear.BF16_MAX_ROWS)
     for rows, native_calls in ((1, 1), (limit, 1), (limit + 1, 0), (40, 0)):
-        x = torch.randn(1, rows, 96).bfloat16()
+        x = torch.randn(1, rows, in_features).bfloat16()
         with op_calls() as calls:
             got = layer(x)
         assert calls["tgi_vlm::skinny_linear_bf16"] == native_calls, rows

@@ -58,11 +58,19 @@ def gemma3_270m_dir(cache: str | Path | None = None) -> Path:
     gguf = gemma3_270m_gguf(cache)
     out = real_models_cache(cache) / "gemma-3-270m-q4_k_m-dequantized"
     marker = out / _MARKER
-    if marker.exists() and json.loads(marker.read_text()).get("gguf_sha256") == pkg.EXPECTED_SHA256:
+    if marker.exists() and json.loads(marker.read_text()) == _marker(gguf, pkg):
         return out
     _convert_gguf(gguf, out)
-    marker.write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": pkg.EXPECTED_SHA256}) + "\n")
+    marker.write_text(json.dumps(_marker(gguf, pkg)) + "\n")
     return out
+
+
+_FORMAT = 2  # 2: config.json names the model class (`architectures`)
+
+
+def _marker(gguf: Path, pkg) -> dict:
+    """What a converted directory records: the GGUF file it came from and the conversion's format."""
+    return {"gguf": gguf.name, "gguf_sha256": pkg.EXPECTED_SHA256, "format": _FORMAT}
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -81,6 +89,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["dtype"] = "bfloat16"  # the checkpoint Google published is bf16: the dtype a server picks by default
+    # The GGUF file names no class; the published checkpoint names its own, which vLLM and llama.cpp's converter
+    # read to pick the model (both refuse a config without it).
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     model.generation_config.to_json_file(out / "generation_config.json")
     tokenizer.save_pretrained(out)

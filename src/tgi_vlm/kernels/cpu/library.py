@@ -47,7 +47,8 @@ class PortableLibrary:
 class Avx512Library:
     """decode_attention.c, skinny_linear.c and greedy.c; `attention_dtypes`: the dtypes its decode attention computes (none
     when built without AVX-512), `skinny_max_rows` / `skinny_bf16_max_rows`: the most rows its float32 / bfloat16
-    linear takes (0: none; the bf16 one needs AVX512-BF16)."""
+    linear takes (0: none; the bf16 one needs AVX512-BF16), `amx_max_rows`: the most its bf16 linear runs on AMX
+    tiles (0: no AMX)."""
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
@@ -58,8 +59,10 @@ class Avx512Library:
                                        _I64, _I64, _FLOAT, _INT])
         self.skinny_linear = _bind(library, "tgi_vlm_skinny_linear", [_P, _I64, _I64, _P, _I64, _P, _P, _INT])
         self.skinny_max_rows = library.tgi_vlm_skinny_max_rows()
-        self.skinny_linear_bf16 = _bind(library, "tgi_vlm_skinny_linear_bf16", [_P, _I64, _I64, _P, _I64, _P, _P, _INT])
+        self.skinny_linear_bf16 = _bind(library, "tgi_vlm_skinny_linear_bf16",
+                                        [_P, _I64, _I64, _P, _I64, _P, _P, _INT, _INT])
         self.skinny_bf16_max_rows = library.tgi_vlm_skinny_bf16_max_rows()  # 0: built without AVX512-BF16
+        self.amx_max_rows = library.tgi_vlm_amx_max_rows()  # 0: no AMX tiles here (built without, or refused)
         self.greedy_logsumexp = _bind(library, "tgi_vlm_greedy_logsumexp", [_P, _I64, _I64, _I64, _P, _P, _P, _INT])
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.attention_dtypes = frozenset(dtype for dtype, code in DTYPE_CODES.items() if codes & code)

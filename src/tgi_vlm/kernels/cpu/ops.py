@@ -20,7 +20,7 @@ otherwise.
 | `gemma_rms_norm` | transformers' Gemma RMSNorm (`(1 + w)`, one rounding), per head of `[T, G, H]` | `out` (may be `x`) |
 | `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
 | `greedy_logsumexp` | per float32 row: the max's first index, the max, logsumexp | nothing |
-| `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
+| `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AMX tiles up to `amx_max_rows`, else AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
 """
 
 from __future__ import annotations
@@ -431,13 +431,21 @@ def _bf16_linear_problem(x: torch.Tensor, blocked: torch.Tensor, out_features: i
     return None
 
 
-@_op("skinny_linear_bf16(Tensor x, Tensor blocked, int out_features, Tensor? bias) -> Tensor",
-     lambda x, blocked, out_features, bias: x.new_empty(x.shape[0], out_features))
+def amx_max_rows() -> int:
+    """The most rows `skinny_linear_bf16` multiplies on AMX tiles in this process (0: no AMX; the input width must
+    also be a multiple of 32)."""
+    kernels = library.loaded()
+    return kernels.avx512.amx_max_rows if kernels is not None and kernels.avx512 is not None else 0
+
+
+@_op("skinny_linear_bf16(Tensor x, Tensor blocked, int out_features, Tensor? bias, bool amx=True) -> Tensor",
+     lambda x, blocked, out_features, bias, amx=True: x.new_empty(x.shape[0], out_features))
 def skinny_linear_bf16(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+                       bias: torch.Tensor | None, amx: bool = True) -> torch.Tensor:
     """bfloat16 `x` `[rows, in]` (1 <= rows <= `skinny_bf16_max_rows()`, contiguous) times a weight in
     `blocked_weight_bf16`'s layout, plus `bias` `[out]`: `[rows, out]` bfloat16, summed in float32 and rounded once
-    (csrc/skinny_linear.c; tests/unit/test_skinny_linear_bf16.py)."""
+    (csrc/skinny_linear.c; tests/unit/test_skinny_linear_bf16.py). With `amx`, on AMX tiles where they take the
+    product (`amx_max_rows()` rows at most, `in` a multiple of 32), else the VDPBF16PS loop."""
     _refuse("skinny_linear_bf16", _bf16_linear_problem(x, blocked, out_features, bias))
     lib = _loaded("skinny_linear_bf16")
     rows, in_features = x.shape
@@ -446,7 +454,8 @@ def skinny_linear_bf16(x: torch.Tensor, blocked: torch.Tensor, out_features: int
                          f"{lib.skinny_bf16_max_rows})")
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     status = lib.skinny_linear_bf16(x.data_ptr(), rows, in_features, blocked.data_ptr(), out_features,
-                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+                                    int(amx))
     if status == -2:
         raise MemoryError("tgi_vlm::skinny_linear_bf16: no memory for the paired input")
     if status != 0:
