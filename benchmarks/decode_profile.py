@@ -69,6 +69,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def bucket(name: str, shapes: list, vocab: int) -> str:
     if name in PRODUCT_OPS:
         dims = {d for s in shapes if isinstance(s, (list, tuple)) for d in s if isinstance(d, int)}
+        if name.startswith("tgi_vlm::skinny_linear") and len(shapes) > 1 and shapes[1]:
+            dims.add(shapes[1][0] * 16)  # the blocked weight: [blocks of 16 outputs (padded to 32), ...]
         return "lm-head product" if vocab in dims else "other linear products"
     return name
 

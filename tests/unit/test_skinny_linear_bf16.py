@@ -46,14 +46,18 @@ def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 def test_products_round_once_to_bf16_within_float32_sums_for_every_row_count_it_takes(native, in_features,
                                                                                        out_features, amx):
     """Against float64: every output within half a bf16 ulp plus the float32 sums' bound, with and without bias, at
-    every row count up to the C loop's limit (row tiles of 14), on AMX tiles (where the CPU has them: 1..16 rows, the
-    width a multiple of 32) and on the VDPBF16PS loop; oneDNN's bf16 product is within the same bound, and at least
-    9 in 10 outputs are its very value (the rest differ where the sums' order moves a rounding)."""
+    every row count up to the C loop's limit (row tiles of 14), on AMX tiles (where the CPU has them: tiles of 16
+    rows, two at a time, a partial last one; the width a multiple of 32) and on the VDPBF16PS loop; oneDNN's bf16
+    product is within the same bound, and at least 9 in 10 outputs are its very value (the rest differ where the
+    sums' order moves a rounding)."""
     torch.manual_seed(in_features * 7 + out_features)
     weight = torch.randn(out_features, in_features).bfloat16()
     bias = torch.randn(out_features).bfloat16()
     blocked = ops.blocked_weight_bf16(weight)
-    for rows in (1, 2, 4, 5, 14, 15, 32):
+    limit = max(ops.skinny_bf16_max_rows(), ops.amx_max_rows() if amx and in_features % 32 == 0 else 0)
+    for rows in (1, 2, 4, 5, 14, 15, 16, 17, 32, 33, 48, 100, 300):
+        if rows > limit:
+            continue
         x = torch.randn(rows, in_features).bfloat16()
         for b in (bias, None):
             got = ops.skinny_linear_bf16(x, blocked, out_features, b, amx)
@@ -98,9 +102,13 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layout_before_any_c_runs(make
 
 
 @needs_the_loop
-def test_more_rows_than_the_c_loop_takes_are_refused(native):
+def test_more_rows_than_the_c_code_takes_are_refused(native):
+    """Past the loop's rows without AMX (or a width AMX does not take), past AMX's with it."""
     blocked = ops.blocked_weight_bf16(torch.randn(20, 64).bfloat16())
     rows = ops.skinny_bf16_max_rows() + 1
+    with pytest.raises(ValueError, match=re.escape(f"({rows} rows, at most {rows - 1})")):
+        ops.skinny_linear_bf16(torch.randn(rows, 64).bfloat16(), blocked, 20, None, False)
+    rows = max(ops.skinny_bf16_max_rows(), ops.amx_max_rows()) + 1
     with pytest.raises(ValueError, match=re.escape(f"({rows} rows, at most {rows - 1})")):
         ops.skinny_linear_bf16(torch.randn(rows, 64).bfloat16(), blocked, 20, None)
 
@@ -109,7 +117,7 @@ def test_more_rows_than_the_c_loop_takes_are_refused(native):
 @pytest.mark.parametrize("in_features", [96, 90])
 def test_the_kernel_sends_the_native_product_up_to_its_row_limit_and_onednn_past_it(native, in_features):
     """1..max_rows rows go to the native product, one more to oneDNN's packed product (counted); max_rows is AMX's
-    16 where the CPU has tiles and the width is a multiple of 32 (96), else the loop's 4 (90 wide); every result
+    256 where the CPU has tiles and the width is a multiple of 32 (96), else the loop's 4 (90 wide); every result
     within one rounding of the exact product (float32 sums apart)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, 80).bfloat16()
@@ -119,7 +127,7 @@ def test_the_kernel_sends_the_native_product_up_to_its_row_limit_and_onednn_past
     limit = layer.linear_kernel.skinny.max_rows
     amx = ops.amx_max_rows() >= skinny_linear.AMX_MAX_ROWS and in_features % 32 == 0
     assert limit == (skinny_linear.AMX_MAX_ROWS if amx else skinny_linear.BF16_MAX_ROWS)
-    for rows, native_calls in ((1, 1), (limit, 1), (limit + 1, 0), (40, 0)):
+    for rows, native_calls in ((1, 1), (min(5, limit), 1), (limit, 1), (limit + 1, 0), (limit + 40, 0)):
         x = torch.randn(1, rows, in_features).bfloat16()
         with op_calls() as calls:
             got = layer(x)

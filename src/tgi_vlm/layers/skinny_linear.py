@@ -63,21 +63,24 @@ def skinny_weight(weight: torch.Tensor, kernels: KernelSettings | None = None) -
 # AMX host (Gemma 3 270M's shapes, bf16: 262,144 x 640 at 1/2/4 rows 12.6/12.3/14.3 vs 16.7/15.2/16.0 ms, 6 rows
 # even, 8 rows 18.3 vs 15.4; 640 x 1024 at 1 row 0.053 vs 0.076 ms): past it, the loop is compute-bound.
 BF16_MAX_ROWS = 4
-# On AMX tiles the same copy serves up to 16 rows (one A tile), faster than oneDNN's packed product at every count
-# measured (Gemma 3 270M's 72 decoder products, weights cold, 1/4/8/16 rows: 9.5/9.0/10.0/11.9 ms vs
-# 15.1/14.2/20.0/15.3 ms; its 262,144 x 640 head 12.5/12.6/13.4 vs 15.3/15.4/16.6 ms); past 16, oneDNN.
-AMX_MAX_ROWS = 16
+# On AMX tiles the same copy serves prefill-sized products too (16-row tiles, two at a time, over each pair of column
+# blocks while it is in cache), faster than oneDNN's packed product at every count measured (Gemma 3 270M's 72
+# decoder products, weights cold, 1/4/8/16 rows: 9.5/9.0/10.0/11.9 ms vs 15.1/14.2/20.0/15.3 ms; 32/64/128/256 rows:
+# 12.7/18.8/30.4/55.8 vs 17.3/23.2/31.9/57.6 ms; 512 rows even; its 262,144 x 640 head at 1/4/16 rows
+# 12.5/12.6/13.4 vs 15.3/15.4/16.6 ms); past AMX_MAX_ROWS, oneDNN. No row count builds anything (oneDNN JITs one
+# kernel per padded bucket).
+AMX_MAX_ROWS = 256
 
 
 class SkinnyBf16Weight:
-    """A bfloat16 weight in the bf16 loop's layout (`ops.blocked_weight_bf16`), for 1..`max_rows` rows: AMX's 16
-    where the tiles take this width (a multiple of 32), else the AVX512-BF16 loop's `BF16_MAX_ROWS`."""
+    """A bfloat16 weight in the bf16 loop's layout (`ops.blocked_weight_bf16`), for 1..`max_rows` rows: AMX's
+    `AMX_MAX_ROWS` where the tiles take this width (a multiple of 32), else the AVX512-BF16 loop's `BF16_MAX_ROWS`."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features = weight.shape[0]
         self.blocked = ops.blocked_weight_bf16(weight)
         amx = min(AMX_MAX_ROWS, ops.amx_max_rows()) if weight.shape[1] % 32 == 0 else 0
-        self.max_rows = min(max(BF16_MAX_ROWS, amx), ops.skinny_bf16_max_rows())
+        self.max_rows = max(min(BF16_MAX_ROWS, ops.skinny_bf16_max_rows()), amx)
 
     def takes(self, rows: int) -> bool:
         return 1 <= rows <= self.max_rows

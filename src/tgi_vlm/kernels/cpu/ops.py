@@ -433,7 +433,7 @@ def _bf16_linear_problem(x: torch.Tensor, blocked: torch.Tensor, out_features: i
 
 def amx_max_rows() -> int:
     """The most rows `skinny_linear_bf16` multiplies on AMX tiles in this process (0: no AMX; the input width must
-    also be a multiple of 32)."""
+    also be a multiple of 32); past 16, in tiles of 16 rows over the cached weights."""
     kernels = library.loaded()
     return kernels.avx512.amx_max_rows if kernels is not None and kernels.avx512 is not None else 0
 
@@ -442,16 +442,16 @@ def amx_max_rows() -> int:
      lambda x, blocked, out_features, bias, amx=True: x.new_empty(x.shape[0], out_features))
 def skinny_linear_bf16(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
                        bias: torch.Tensor | None, amx: bool = True) -> torch.Tensor:
-    """bfloat16 `x` `[rows, in]` (1 <= rows <= `skinny_bf16_max_rows()`, contiguous) times a weight in
+    """bfloat16 `x` `[rows, in]` (1 <= rows <= `skinny_bf16_max_rows()`, or `amx_max_rows()` on AMX, contiguous) times a weight in
     `blocked_weight_bf16`'s layout, plus `bias` `[out]`: `[rows, out]` bfloat16, summed in float32 and rounded once
     (csrc/skinny_linear.c; tests/unit/test_skinny_linear_bf16.py). With `amx`, on AMX tiles where they take the
     product (`amx_max_rows()` rows at most, `in` a multiple of 32), else the VDPBF16PS loop."""
     _refuse("skinny_linear_bf16", _bf16_linear_problem(x, blocked, out_features, bias))
     lib = _loaded("skinny_linear_bf16")
     rows, in_features = x.shape
-    if rows > lib.skinny_bf16_max_rows:
-        raise ValueError(f"tgi_vlm::skinny_linear_bf16: inconsistent inputs ({rows} rows, at most "
-                         f"{lib.skinny_bf16_max_rows})")
+    most = max(lib.skinny_bf16_max_rows, lib.amx_max_rows if amx and in_features % 32 == 0 else 0)
+    if rows > most:
+        raise ValueError(f"tgi_vlm::skinny_linear_bf16: inconsistent inputs ({rows} rows, at most {most})")
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     status = lib.skinny_linear_bf16(x.data_ptr(), rows, in_features, blocked.data_ptr(), out_features,
                                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),

@@ -237,19 +237,20 @@ static int amx_takes(int64_t rows, int64_t k);
 
 /* y[rows][n] = x[rows][k] W^T (+ bias[n]), bfloat16 in and out; x, y row-major and contiguous; w in the blocked
    layout above (k padded to even, n to a multiple of 32, 64-byte aligned), on `threads` OpenMP threads. With `amx`
-   and where the AMX tiles take the product (an AMX CPU, 1..AMX_ROWS rows, k a multiple of 32): the tile kernel
-   below, else the VDPBF16PS loop. Returns 0; -1 for rows outside 1..MAX_ROWS or an empty k or n; -2 when memory for
-   the pairs of x cannot be had. */
+   and where the AMX tiles take the product (an AMX CPU, 1..AMX_MAX_ROWS rows, k a multiple of 32): the tile kernel
+   below, else the VDPBF16PS loop (1..MAX_ROWS rows). Returns 0; -1 for a row count neither takes or an empty k or n;
+   -2 when memory for a scratch copy of x cannot be had. */
 int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n,
                                const uint16_t* bias, uint16_t* y, int threads, int amx) {
-    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1) return -1;
+    if (k < 1 || n < 1) return -1;
     if (amx && amx_takes(rows, k)) return amx_linear_bf16(x, rows, k, w, n, bias, y, threads);
+    if (rows < 1 || rows > MAX_ROWS) return -1;
     return vnni_linear_bf16(x, rows, k, w, n, bias, y, threads);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* bfloat16 linears for up to AMX_ROWS rows on CPUs with AMX (the op tgi_vlm::amx_linear_bf16), over the same
-   blocked weight as the loop above.
+/* bfloat16 linears on CPUs with AMX (tgi_vlm::skinny_linear_bf16 with amx), over the same blocked weight as the loop
+   above.
 
    Why: oneDNN's packed bf16 product streamed Gemma 3 270M's 72 decoder products at ~13-14 GB/s whatever the row
    count (1-16 rows, ~200 us a product: its per-call work dominates at these sizes), where the host reads ~26 GB/s;
@@ -257,11 +258,12 @@ int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const
    for 16 columns; the blocked layout's 16 k-pairs x 16 columns x 2 is exactly a B tile (rows 64 bytes apart), and
    x's rows give the A tile as they are.
 
-   Work: pairs of column blocks (32 outputs), shared out by OpenMP; per pair, two float32 accumulator tiles over all
-   K in steps of 32, then rounded to bf16 once with the bias, as oneDNN does. K must be a multiple of 32 (the caller
+   Work: pairs of column blocks (32 outputs), shared out by OpenMP; per pair and tile of 16 rows, two float32
+   accumulator tiles over all K in steps of 32, then rounded to bf16 once with the bias, as oneDNN does. K must be a multiple of 32 (the caller
    checks). Sums: each TDPBF16PS adds its pair products into float32 (round to nearest even, bf16 denormal inputs as
    zero), k in order: not oneDNN's order, within float32 rounding of it. */
-#define AMX_ROWS 16
+#define AMX_TILE_ROWS 16
+#define AMX_MAX_ROWS 512 /* rows past one tile: loops of 16-row tiles over the cached pair */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -283,11 +285,11 @@ static void configure_tiles(int rows) {
     tile_config config;
     memset(&config, 0, sizeof(config));
     config.palette_id = 1;
-    config.rows[0] = (uint8_t)rows; config.colsb[0] = 64;  /* A: rows x 32 bf16 */
-    config.rows[1] = 16; config.colsb[1] = 64;              /* B0: 16 k-pairs x 16 columns x 2 */
-    config.rows[2] = 16; config.colsb[2] = 64;              /* B1 */
-    config.rows[4] = (uint8_t)rows; config.colsb[4] = 64;  /* C0: rows x 16 float */
-    config.rows[5] = (uint8_t)rows; config.colsb[5] = 64;  /* C1 */
+    for (int t = 0; t < 8; ++t) {
+        /* 0, 1: A (row tiles: rows x 32 bf16); 2, 3: B (16 k-pairs x 16 columns x 2); 4..7: C (rows x 16 float) */
+        config.rows[t] = (uint8_t)(t == 2 || t == 3 ? 16 : rows);
+        config.colsb[t] = 64;
+    }
     _tile_loadconfig(&config);
 }
 
@@ -295,51 +297,91 @@ static void store_bf16_row(const float* acc, const __m512 bias, __mmask16 mask, 
     _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc), bias)));
 }
 
-static void amx_pair(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n, int64_t pair,
-                     const uint16_t* bias, uint16_t* y) {
+static void store_tile_rows(const float* acc, int64_t r0, int64_t r1, const __m512 bias, __mmask16 mask,
+                            uint16_t* y, int64_t n, int64_t col) {
+    for (int64_t r = r0; r < r1; ++r) store_bf16_row(acc + (r - r0) * 16, bias, mask, y + r * n + col);
+}
+
+/* Output columns [32 pair, 32 pair + 32) of every row; x holds `tiles` x 16 rows (padded where rows is not a
+   multiple of 16), of which the first `rows` are stored. Row tiles go two at a time (A tiles 0 and 1, four
+   accumulators), so each B tile loaded serves 32 rows; the pair's weights (2 x K x 32 bytes) come from memory for
+   the first two row tiles and from cache for the others. */
+static void amx_pair(const uint16_t* x, int64_t rows, int64_t tiles, int64_t k, const uint16_t* w, int64_t n,
+                     int64_t pair, const uint16_t* bias, uint16_t* y) {
     const int64_t k2 = k / 2;
     const uint16_t* w0 = w + (size_t)(2 * pair) * (size_t)k2 * 32;
     const uint16_t* w1 = w0 + (size_t)k2 * 32;
     const int64_t col = pair * 32;
-    float acc0[AMX_ROWS * 16], acc1[AMX_ROWS * 16];
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t k0 = 0; k0 < k; k0 += 32) {
-        _tile_loadd(0, x + k0, k * 2);
-        _tile_loadd(1, w0 + (k0 / 2) * 32, 64);
-        _tile_loadd(2, w1 + (k0 / 2) * 32, 64);
-        _tile_dpbf16ps(4, 0, 1);
-        _tile_dpbf16ps(5, 0, 2);
-    }
-    _tile_stored(4, acc0, 64);
-    _tile_stored(5, acc1, 64);
     const __mmask16 mask0 = columns_left(n, col), mask1 = columns_left(n, col + 16);
     const __m512 b0 = bias_bf16(bias, mask0, col), b1 = bias_bf16(bias, mask1, col + 16);
-    for (int64_t r = 0; r < rows; ++r) {
-        store_bf16_row(acc0 + r * 16, b0, mask0, y + r * n + col);
-        store_bf16_row(acc1 + r * 16, b1, mask1, y + r * n + col + 16);
+    float acc[4][AMX_TILE_ROWS * 16];
+    for (int64_t t = 0; t < tiles; t += 2) {
+        const int two = t + 1 < tiles;
+        const uint16_t* xa = x + (size_t)t * AMX_TILE_ROWS * (size_t)k;
+        const uint16_t* xb = two ? xa + (size_t)AMX_TILE_ROWS * (size_t)k : xa;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t k0 = 0; k0 < k; k0 += 32) {
+            _tile_loadd(2, w0 + (k0 / 2) * 32, 64);
+            _tile_loadd(3, w1 + (k0 / 2) * 32, 64);
+            _tile_loadd(0, xa + k0, k * 2);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (two) {
+                _tile_loadd(1, xb + k0, k * 2);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        _tile_stored(4, acc[0], 64);
+        _tile_stored(5, acc[1], 64);
+        const int64_t r0 = t * AMX_TILE_ROWS, r1 = rows < r0 + AMX_TILE_ROWS ? rows : r0 + AMX_TILE_ROWS;
+        store_tile_rows(acc[0], r0, r1, b0, mask0, y, n, col);
+        store_tile_rows(acc[1], r0, r1, b1, mask1, y, n, col + 16);
+        if (two) {
+            _tile_stored(6, acc[2], 64);
+            _tile_stored(7, acc[3], 64);
+            const int64_t r2 = r1 + AMX_TILE_ROWS < rows ? r1 + AMX_TILE_ROWS : rows;
+            store_tile_rows(acc[2], r1, r2, b0, mask0, y, n, col);
+            store_tile_rows(acc[3], r1, r2, b1, mask1, y, n, col + 16);
+        }
     }
 }
 
 static int amx_takes(int64_t rows, int64_t k) {
-    return rows >= 1 && rows <= AMX_ROWS && k >= 32 && k % 32 == 0 && amx_permitted();
+    return rows >= 1 && rows <= AMX_MAX_ROWS && k >= 32 && k % 32 == 0 && amx_permitted();
 }
 
-/* The tile kernel: 1..AMX_ROWS rows, k a multiple of 32 (`amx_takes`). */
+/* The tile kernel: 1..AMX_MAX_ROWS rows, k a multiple of 32 (`amx_takes`). Up to 16 rows x is read as it is (the
+   tiles configured for that many rows); more rows are copied into tiles of 16, the last one zero-padded. */
 static int amx_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const uint16_t* w, int64_t n,
                            const uint16_t* bias, uint16_t* y, int threads) {
     const int64_t pairs = (n + 31) / 32;
+    const int64_t tiles = (rows + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS;
+    uint16_t* padded = NULL;
+    if (tiles > 1) {
+        const size_t bytes = (size_t)(tiles * AMX_TILE_ROWS * k) * 2;
+        padded = (uint16_t*)aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (padded == NULL) return -2;
+        memcpy(padded, x, (size_t)(rows * k) * 2);
+        memset(padded + rows * k, 0, bytes - (size_t)(rows * k) * 2);
+    }
+    const uint16_t* source = padded ? padded : x;
+    const int tile_rows = (int)(tiles > 1 ? AMX_TILE_ROWS : rows);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
-        configure_tiles((int)rows);
+        configure_tiles(tile_rows);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; ++p) amx_pair(x, rows, k, w, n, p, bias, y);
+        for (int64_t p = 0; p < pairs; ++p) amx_pair(source, rows, tiles, k, w, n, p, bias, y);
         _tile_release();
     }
+    free(padded);
     return 0;
 }
 
-int tgi_vlm_amx_max_rows(void) { return amx_permitted() ? AMX_ROWS : 0; }
+int tgi_vlm_amx_max_rows(void) { return amx_permitted() ? AMX_MAX_ROWS : 0; }
 #else /* no AMX: the loop serves every row count */
 static int amx_takes(int64_t rows, int64_t k) {
     (void)rows, (void)k;
