@@ -115,7 +115,7 @@ class KernelSettings:
     native_attention: bool = True
     native_norm: bool = True  # the lean decoder layer's RMSNorm in one call (layers/cpu_decoder.py)
     native_rotary: bool = True  # the lean layer's rotary + K/V store in one pass (bit-equal to torch's)
-    skinny_linear: bool = True  # float32 decode-sized linears over a blocked weight copy (layers/skinny_linear.py)
+    skinny_linear: bool = True  # float32 decode-sized / bf16 few-row linears over a blocked copy (layers/skinny_linear.py)
     cpu_speedups: bool = True  # every CPU rewrite applied at load (layers/cpu.py), the lean layer among them
     kernel_cache_dir: Path = field(default_factory=default_kernel_cache)  # built libraries, keyed by what made them
     cc: str | None = None  # the C compiler command, split as a shell would ("ccache gcc"); None: cc, else gcc
