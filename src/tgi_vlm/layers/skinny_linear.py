@@ -27,13 +27,16 @@ from tgi_vlm.kernels.cpu import ops
 MAX_ROWS = 24
 
 
-class SkinnyWeight:
-    """A float32 weight in the native loop's layout; `max_rows`: the most rows it multiplies (at most the kernel's)."""
+class BlockedWeight:
+    """A weight in a native product's blocked layout (`blocked`), for 1..`max_rows` rows through `product`
+    (`ops.skinny_linear` or `ops.skinny_linear_bf16`)."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int):
+    product = staticmethod(ops.skinny_linear)
+
+    def __init__(self, weight: torch.Tensor, blocked: torch.Tensor, max_rows: int):
         self.out_features = weight.shape[0]
-        self.blocked = ops.blocked_weight(weight)
-        self.max_rows = min(MAX_ROWS, max_rows)
+        self.blocked = blocked
+        self.max_rows = max_rows
 
     def takes(self, rows: int) -> bool:
         return 1 <= rows <= self.max_rows
@@ -41,8 +44,15 @@ class SkinnyWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x` `[..., in]` with `takes(rows)` -> `[..., out]`."""
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = ops.skinny_linear(flat, self.blocked, self.out_features, bias)
+        out = self.product(flat, self.blocked, self.out_features, bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+class SkinnyWeight(BlockedWeight):
+    """A float32 weight in the native loop's layout; `max_rows`: the most rows it multiplies (at most the kernel's)."""
+
+    def __init__(self, weight: torch.Tensor, max_rows: int):
+        super().__init__(weight, ops.blocked_weight(weight), min(MAX_ROWS, max_rows))
 
 
 def skinny_available(kernels: KernelSettings | None = None) -> bool:
@@ -72,24 +82,16 @@ BF16_MAX_ROWS = 4
 AMX_MAX_ROWS = 256
 
 
-class SkinnyBf16Weight:
+class SkinnyBf16Weight(BlockedWeight):
     """A bfloat16 weight in the bf16 loop's layout (`ops.blocked_weight_bf16`), for 1..`max_rows` rows: AMX's
     `AMX_MAX_ROWS` where the tiles take this width (a multiple of 32), else the AVX512-BF16 loop's `BF16_MAX_ROWS`."""
 
+    product = staticmethod(ops.skinny_linear_bf16)
+
     def __init__(self, weight: torch.Tensor):
-        self.out_features = weight.shape[0]
-        self.blocked = ops.blocked_weight_bf16(weight)
         amx = min(AMX_MAX_ROWS, ops.amx_max_rows()) if weight.shape[1] % 32 == 0 else 0
-        self.max_rows = max(min(BF16_MAX_ROWS, ops.skinny_bf16_max_rows()), amx)
-
-    def takes(self, rows: int) -> bool:
-        return 1 <= rows <= self.max_rows
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x` `[..., in]` bf16 with `takes(rows)` -> `[..., out]`."""
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = ops.skinny_linear_bf16(flat, self.blocked, self.out_features, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        super().__init__(weight, ops.blocked_weight_bf16(weight),
+                         max(min(BF16_MAX_ROWS, ops.skinny_bf16_max_rows()), amx))
 
 
 def skinny_bf16_available(kernels: KernelSettings | None = None) -> bool:
