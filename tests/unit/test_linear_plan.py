@@ -255,6 +255,26 @@ def test_priming_stops_a_capped_module_at_its_rows(monkeypatch):
     assert sorted(rows for out, rows in seen if out == 32) == [1, 2, 3, 4, 5]
 
 
+def test_priming_skips_the_row_counts_a_native_bf16_product_takes(monkeypatch):
+    """`onednn-packed+native-skinny`: the counts its native product takes build nothing, so warmup's budget goes to
+    oneDNN's buckets past them only."""
+    from tests.unit.kernels_here import kernels
+    from tgi_vlm.kernels.cpu import ops
+    from tgi_vlm.layers.linear.kernels import OneDnnPackedSkinnyLinear, PlainWeights, can_pack_weights
+    from tgi_vlm.layers.linear.modules import give_kernel
+
+    if not (kernels().available("skinny_linear_bf16") and ops.skinny_bf16_max_rows() and can_pack_weights(torch.bfloat16)):
+        pytest.skip("no native bf16 product here (AVX512-BF16) or oneDNN cannot pack bf16")
+    layer = torch.nn.Linear(64, 48).bfloat16()
+    give_kernel(layer, OneDnnPackedSkinnyLinear(PlainWeights((layer,))))
+    layer(torch.zeros(1, 64).bfloat16())  # packs
+    limit = layer.linear_kernel.skinny.max_rows
+    seen = _record_products(monkeypatch)
+    count, largest = plan.prime_packed_kernels(torch.nn.Sequential(layer), limit + 100)
+    past = [rows for rows in kernels_module.row_buckets(limit + 100) if rows > limit]
+    assert sorted(rows for _, rows in seen) == past and count == len(past) > 0
+
+
 def test_priming_with_nothing_packed_runs_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     plan_linears(model, PlanOptions(cpu=False))

@@ -115,6 +115,10 @@ class LinearKernel:
         """Whether its storage exists (packed kernels pack on first use)."""
         return True
 
+    def builds_for(self, rows: int) -> bool:
+        """Whether a product of `rows` rows builds (JITs) a kernel of its own on first use: what warmup primes."""
+        return self.pads_rows
+
     def fuses(self) -> bool:
         """Whether sibling layers with this kernel may share one product of the same kind (`fused_over`)."""
         return False
@@ -273,6 +277,9 @@ class OneDnnPackedSkinnyLinear(OneDnnPackedLinear):
         if self.skinny.takes(rows):
             return self.skinny(x, self.bias)
         return super()._product(x)
+
+    def builds_for(self, rows: int) -> bool:
+        return not self.skinny.takes(rows)  # the native product builds nothing per row count
 
 
 class OneDnnPackedGemvLinear(OneDnnPackedLinear):

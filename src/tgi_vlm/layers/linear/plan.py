@@ -219,7 +219,8 @@ def prime_packed_kernels(model: torch.nn.Module, max_rows: int, *, row_caps: dic
     oneDNN builds (JIT-compiles) a kernel for each row count a product meets, ~2 ms each here; a serving run
     meets a new bucket in most of its early prefill steps, and warmup's one batch meets only its own. Run at
     warmup, on the model thread, after the warmup batch (which packs the weights it uses). Smallest buckets first,
-    while `budget_s` lasts (checked before each bucket). MKL's float32 products build nothing and are skipped.
+    while `budget_s` lasts (checked before each bucket). MKL's float32 products build nothing and are skipped, and so
+    are the row counts a native product takes (`builds_for`: the bf16 AMX / VDPBF16PS path).
     Returns (products run, largest bucket primed)."""
     from tgi_vlm.layers.linear.kernels import row_bucket, row_buckets
 
@@ -230,7 +231,7 @@ def prime_packed_kernels(model: torch.nn.Module, max_rows: int, *, row_caps: dic
             if clock() - start > budget_s:
                 break
             for kernel, cap in products:
-                if cap is None or rows <= row_bucket(cap):
+                if (cap is None or rows <= row_bucket(cap)) and kernel.builds_for(rows):
                     kernel(torch.zeros(rows, kernel.in_features, dtype=kernel.dtype))
                     count += 1
             done = rows
