@@ -224,14 +224,19 @@ def ratios(rows: list[dict]) -> list[dict]:
         for label, a, b in pairs:
             if a["run"].get("round", 0) != b["run"].get("round", 0):
                 continue  # each round's runs are compared with their own round's
-            sa, sb = a["serving"], b["serving"]
-            out.append({"compared": label, "prefix_caching": prefix, "round": a["run"].get("round", 0),
-                        "tgi_vlm": a["name"], "vllm": b["name"],
-                        "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
-                        "req_per_s": sa["req_per_s"] / sb["req_per_s"],
-                        "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
-                        "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])})
+            out.append(ratio_entry(label, a, b))
     return out
+
+
+def ratio_entry(label: str, a: dict, b: dict) -> dict:
+    """tgi-vlm's row `a` over the peer's row `b` (the key "vllm" names the peer's run, whichever system it is)."""
+    sa, sb = a["serving"], b["serving"]
+    return {"compared": label, "prefix_caching": a["run"]["prefix_caching"], "round": a["run"].get("round", 0),
+            "tgi_vlm": a["name"], "vllm": b["name"],
+            "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
+            "req_per_s": sa["req_per_s"] / sb["req_per_s"],
+            "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
+            "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])}
 
 
 def llamacpp_ratios(rows: list[dict]) -> list[dict]:
@@ -256,13 +261,7 @@ def llamacpp_ratios(rows: list[dict]) -> list[dict]:
                 label = f"llama.cpp {key} vs tgi-vlm default ({a['dtype']}): not equal precision"
             else:
                 continue
-            sa, sb = a["serving"], b["serving"]
-            out.append({"compared": label, "prefix_caching": a["run"]["prefix_caching"],
-                        "round": a["run"].get("round", 0), "tgi_vlm": a["name"], "vllm": b["name"],
-                        "out_tok_per_s": sa["out_tok_per_s"] / sb["out_tok_per_s"],
-                        "req_per_s": sa["req_per_s"] / sb["req_per_s"],
-                        "ttft_p50": _ratio(sa["ttft_s"]["p50"], sb["ttft_s"]["p50"]),
-                        "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])})
+            out.append(ratio_entry(label, a, b))
     return out
 
 

@@ -34,11 +34,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from token_times import TokenTimes, percentiles  # noqa: E402
 from workload_file import PeerRequest, read_workload  # noqa: E402
 
 CTX_PER_SLOT = 2048  # tgi-vlm bench's --max-total-tokens
@@ -47,33 +48,9 @@ START_TIMEOUT_S = 300
 
 
 @dataclass
-class Timing:
-    submitted: float
-    token_times: list[float] = field(default_factory=list)
+class Timing(TokenTimes):
     evaluated: int | None = None  # prompt tokens the server says it evaluated
     error: str | None = None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.submitted if self.token_times else None
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50/p90/p99 with numpy.percentile's linear interpolation."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-    out = {}
-    for q in (50, 90, 99):
-        rank = (len(ordered) - 1) * q / 100
-        low = int(rank)
-        high = min(low + 1, len(ordered) - 1)
-        out[f"p{q}"] = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-    return out
 
 
 def free_port() -> int:

@@ -37,23 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from token_times import TokenTimes, percentiles  # noqa: E402
 from workload_file import PeerRequest, Workload, read_workload  # noqa: E402
 
 
 @dataclass
-class RequestTiming:
-    submitted: float
+class RequestTiming(TokenTimes):
     tokens: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # the engine's, once it reports them
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.submitted if self.token_times else None
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 # Engine steps of the last closed loop and how many sequences got a token in them (tgi-vlm bench reports
@@ -98,14 +89,6 @@ def run_closed_loop(engine, count: int, concurrency: int, engine_request: Callab
                 del in_flight[out.request_id]
         fill()
     return timings, clock() - start
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    import numpy as np
-
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    return {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)}
 
 
 def serving_summary(timings: list[RequestTiming], wall_s: float, requests: list[PeerRequest]) -> dict:

@@ -165,7 +165,8 @@ def gemma_norm(norm: torch.nn.Module, x: torch.Tensor, native: bool = False) -> 
 def _gemma3_attention_native(parts: LeanParts, attn: torch.nn.Module, meta, qkv: torch.Tensor, cos: torch.Tensor,
                              sin: torch.Tensor) -> torch.Tensor | None:
     """Gemma 3's q/k norms in place on the fused product's query and key heads, then rotary and the K/V store in one
-    C pass (`_rotate_and_store`), then the backend's attention: `[bsz, Hq, q_len, D]`-shaped output as
+    C pass (as `_rotate_and_store`, with the checks made once, before the product is changed), then the backend's
+    attention: `[bsz, Hq, q_len, D]`-shaped output as
     `paged_attention` returns it, or None where a kernel does not take these inputs (nothing was changed then)."""
     if not (parts.native_norm and parts.native_rotary and qkv.shape[0] == 1 and qkv.stride(-1) == 1):
         return None
@@ -175,14 +176,17 @@ def _gemma3_attention_native(parts: LeanParts, attn: torch.nn.Module, meta, qkv:
     key = qkv[0, :, q_width : parts.qk_width].view(tokens, parts.kv_heads, d)
     if not (ops.can_gemma_norm(query, attn.q_norm.weight) and ops.can_gemma_norm(key, attn.k_norm.weight)):
         return None
-    if not (getattr(meta.backend, "takes_written_kv", False)
-            and ops.can_rotate(qkv, cos, sin, parts.q_heads, *meta.kv_cache.flat(attn.layer_idx))):
+    if not getattr(meta.backend, "takes_written_kv", False):
+        return None
+    k_cache, v_cache = meta.kv_cache.flat(attn.layer_idx)
+    if not ops.can_rotate(qkv, cos, sin, parts.q_heads, k_cache, v_cache):
         return None
     ops.gemma_rms_norm(query, attn.q_norm.weight, attn.q_norm.eps, query)
     ops.gemma_rms_norm(key, attn.k_norm.weight, attn.k_norm.eps, key)
-    stored = _rotate_and_store(parts, attn.layer_idx, meta, qkv, cos, sin)
-    query, key, value = stored
-    return meta.backend.forward(attn.layer_idx, query, key, value, meta, scaling=attn.scaling,
+    query, key = ops.rotary_and_store(qkv, cos, sin, parts.q_heads, k_cache, v_cache, meta.slots)  # [T, H, D]
+    value = qkv[0, :, parts.qk_width :].view(tokens, parts.kv_heads, d)
+    return meta.backend.forward(attn.layer_idx, query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                value.transpose(0, 1)[None], meta, scaling=attn.scaling,
                                 sliding_window=parts.sliding_window, kv_written=True)
 
 

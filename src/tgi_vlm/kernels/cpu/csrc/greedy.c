@@ -91,12 +91,10 @@ int tgi_vlm_greedy_logsumexp(const float* x, int64_t rows, int64_t V, int64_t ro
     return 0;
 }
 
-int tgi_vlm_greedy_available(void) { return 1; }
 #else
 int tgi_vlm_greedy_logsumexp(const float* x, int64_t rows, int64_t V, int64_t row_stride, int64_t* ids, float* chosen,
                              float* lse, int threads) {
     (void)x, (void)rows, (void)V, (void)row_stride, (void)ids, (void)chosen, (void)lse, (void)threads;
     return -1;
 }
-int tgi_vlm_greedy_available(void) { return 0; }
 #endif
