@@ -64,13 +64,14 @@ def main() -> None:
         if rows > max(amx_rows, loop_rows):
             continue
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYER_SHAPES}
-        layers_native = timed(lambda: [ops.skinny_linear_bf16(xs[k], b, n, None)
+        layers_native = timed(lambda xs=xs: [ops.skinny_linear_bf16(xs[k], b, n, None)
                                        for layer in blocked for (n, k), b in zip(LAYER_SHAPES, layer)], a.passes)
-        layers_onednn = timed(lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+        layers_onednn = timed(lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                                        for layer in packed for (n, k), w in zip(LAYER_SHAPES, layer)], a.passes)
         x = torch.randn(rows, HEAD[1], generator=gen).bfloat16()
-        head_native = timed(lambda: ops.skinny_linear_bf16(x, head_blocked, HEAD[0], None), a.passes)
-        head_onednn = timed(lambda: torch.ops.mkldnn._linear_pointwise(x, head_packed, None, "none", [], ""), a.passes)
+        head_native = timed(lambda x=x: ops.skinny_linear_bf16(x, head_blocked, HEAD[0], None), a.passes)
+        head_onednn = timed(lambda x=x: torch.ops.mkldnn._linear_pointwise(x, head_packed, None, "none", [], ""),
+                            a.passes)
         rows_out.append({"rows": rows, "path": "amx" if rows <= amx_rows else "vdpbf16ps",
                          "layers_native_ms": layers_native, "layers_onednn_ms": layers_onednn,
                          "head_native_ms": head_native, "head_onednn_ms": head_onednn})

@@ -73,13 +73,12 @@ def skinny_weight(weight: torch.Tensor, kernels: KernelSettings | None = None) -
 # AMX host (Gemma 3 270M's shapes, bf16: 262,144 x 640 at 1/2/4 rows 12.6/12.3/14.3 vs 16.7/15.2/16.0 ms, 6 rows
 # even, 8 rows 18.3 vs 15.4; 640 x 1024 at 1 row 0.053 vs 0.076 ms): past it, the loop is compute-bound.
 BF16_MAX_ROWS = 4
-# On AMX tiles the same copy serves prefill-sized products too (16-row tiles, two at a time, over each pair of column
-# blocks while it is in cache), faster than oneDNN's packed product at every count measured (Gemma 3 270M's 72
-# decoder products, weights cold, 1/4/8/16 rows: 9.5/9.0/10.0/11.9 ms vs 15.1/14.2/20.0/15.3 ms; 32/64/128/256 rows:
-# 12.7/18.8/30.4/55.8 vs 17.3/23.2/31.9/57.6 ms; 512 rows even; its 262,144 x 640 head at 1/4/16 rows
-# 12.5/12.6/13.4 vs 15.3/15.4/16.6 ms); past AMX_MAX_ROWS, oneDNN. No row count builds anything (oneDNN JITs one
-# kernel per padded bucket).
-AMX_MAX_ROWS = 256
+# On AMX tiles the same copy serves short prefills too (16-row tiles, two at a time, over each pair of column blocks
+# while it is in cache), without building anything per row count. `benchmarks/results/bf16_products.md` (Gemma 3
+# 270M's 72 decoder products, weights cold, and its head): faster than oneDNN's packed product up to 64 rows (1/16/64
+# rows 8.4/8.8/14.4 ms vs 11.2/11.6/15.6; head 11.2/12.7/26.7 vs 13.4/14.6/34.9), slower at 128 and 256 (41.1 / 43.0
+# vs 32.2 / 37.1 ms); past AMX_MAX_ROWS, oneDNN.
+AMX_MAX_ROWS = 64
 
 
 class SkinnyBf16Weight(BlockedWeight):

@@ -10,7 +10,7 @@ of sibling layers' weights (`layers/linear/fused.py`).
 | `TorchLinear` | GPU; CPU with the speed-ups off; tensor-parallel ranks; weights that are not plain tensors (a quantized or otherwise subclassed weight) | the layer's parameters, read at every call |
 | `BucketedLinear` | CPU, bf16/fp16 weights that cannot be packed (shared with another module, e.g. a tied lm-head; fp16; bf16 on a CPU without AVX-512BW) | the parameters; rows padded to `row_bucket` (`FusedBucketedLinear`: a concatenated copy for a fused group) |
 | `OneDnnPackedLinear` | CPU, bf16 (and float32 on a torch without MKL) | oneDNN's blocked copy; the plain weight released |
-| `OneDnnPackedSkinnyLinear` | CPU, bf16, with the native bf16 product for few rows (AMX: 1..256; AVX512-BF16: 1..4) where it loads and memory allows a second copy | oneDNN's copy + the native blocked copy |
+| `OneDnnPackedSkinnyLinear` | CPU, bf16, with the native bf16 product for few rows (AMX: 1..64; AVX512-BF16: 1..4) where it loads and memory allows a second copy | oneDNN's copy + the native blocked copy |
 | `MklPackedLinear` | CPU, float32 where torch has MKL's packed GEMM | MKL's packed copy; plain weight released |
 | `MklSkinnyLinear` | as MKL, plus the native decode loop for 1..24 rows where the library loads and memory allows a second copy | MKL's packed copy + the native loop's blocked copy |
 
@@ -261,7 +261,7 @@ class OneDnnPackedLinear(OwnedLinear):
 class OneDnnPackedSkinnyLinear(OneDnnPackedLinear):
     """bfloat16 through oneDNN's packed copy, and for up to a few hundred rows (decode batches, short prefills, an
     lm-head's last rows) the native bf16 product over a second, blocked copy (layers/skinny_linear.py): AMX tiles for
-    1..256 rows where the CPU has them, else the AVX512-BF16 loop for 1..4 rows; it streams the weights ~1.3-1.6x
+    1..64 rows where the CPU has them, else the AVX512-BF16 loop for 1..4 rows; it streams the weights ~1.3-1.6x
     faster there."""
 
     name = "onednn-packed+native-skinny"

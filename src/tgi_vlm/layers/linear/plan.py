@@ -16,7 +16,7 @@ what runs. The rules, in order, for one layer:
    weight kept for the other owner (`...+plain-kept`: the tied lm-head of a 262k vocabulary is the largest product
    of a decode step);
 5. bfloat16: `onednn-packed`, with the native bf16 product for decode rows (`onednn-packed+native-skinny`: AMX tiles
-   for 1..256 rows, else the AVX512-BF16 loop for 1..4) when the second copy fits (`decode_copy`) and it loads
+   for 1..64 rows, else the AVX512-BF16 loop for 1..4) when the second copy fits (`decode_copy`) and it loads
    (`skinny_bf16`: AVX512-BF16), a tied head included; float32 on an Intel CPU where torch has MKL's packed GEMM and the shape's packed
    layout checks out (`mkl_serves_float32`, `mkl_layout_agrees`): `mkl-packed`, with the native skinny loop for
    decode rows (`mkl-packed+native-skinny`) when the second copy fits in memory (`decode_copy`) and the native
