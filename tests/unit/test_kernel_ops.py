@@ -23,10 +23,10 @@ def test_the_ops_are_registered_in_the_tgi_vlm_namespace_with_the_tensors_they_m
     mutated = {name: [a.name for a in getattr(torch.ops.tgi_vlm, name).default._schema.arguments
                       if a.alias_info is not None and a.alias_info.is_write]
                for name in ("decode_attention", "rotary_and_store", "rms_norm", "gemma_rms_norm", "skinny_linear",
-                            "skinny_linear_bf16", "greedy_logsumexp")}
+                            "skinny_linear_bf16", "greedy_logsumexp", "grouped_int8_linear", "grouped_int8_dequantize")}
     assert mutated == {"decode_attention": ["out"], "rotary_and_store": ["k_cache", "v_cache"], "rms_norm": [],
                        "gemma_rms_norm": ["out"], "skinny_linear": [], "skinny_linear_bf16": [],
-                       "greedy_logsumexp": []}
+                       "greedy_logsumexp": [], "grouped_int8_linear": [], "grouped_int8_dequantize": []}
 
 
 def test_fake_implementations_give_the_output_shapes_without_running_anything():
@@ -36,6 +36,10 @@ def test_fake_implementations_give_the_output_shapes_without_running_anything():
                                     torch.zeros(5, dtype=torch.long))
         normed = ops.rms_norm(torch.empty(1, 5, 64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16), 1e-5)
         product = ops.skinny_linear(torch.empty(3, 64), torch.empty(2, 64, 16), 20, None)
+        grouped = ops.grouped_int8_linear(torch.empty(3, 64, dtype=torch.bfloat16), torch.empty(20, 64, dtype=torch.int8),
+                                          torch.empty(20, 2), None, 32)
+        dense = ops.grouped_int8_dequantize(torch.empty(20, 64, dtype=torch.int8), torch.empty(20, 2), None, 32,
+                                            torch.bfloat16)
         q_dec = torch.empty(3, HQ, D)
         out = ops.decode_attention(q_dec, torch.empty_like(q_dec), torch.empty(SLOTS, HKV, D),
                                    torch.empty(SLOTS, HKV, D), torch.zeros(2, 4, dtype=torch.long),
@@ -43,6 +47,8 @@ def test_fake_implementations_give_the_output_shapes_without_running_anything():
     assert (q.shape, k.shape) == ((5, HQ, D), (5, HKV, D))
     assert normed.shape == (1, 5, 64) and normed.dtype == torch.bfloat16
     assert product.shape == (3, 20) and out is None
+    assert grouped.shape == (3, 20) and grouped.dtype == torch.bfloat16
+    assert dense.shape == (20, 64) and dense.dtype == torch.bfloat16
 
 
 # ----- rotary + K/V store -----

@@ -108,6 +108,7 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
         logger.info("TGI_VLM_CPU_SPEEDUPS=0: CPU speed-ups off")
         return plan_linears(model, PlanOptions(cpu=False), language_model=language_model)
     from tgi_vlm.layers.cpu_decoder import install_lean_layers
+    from tgi_vlm.layers.linear.grouped import grouped_native_available
     from tgi_vlm.layers.skinny_linear import skinny_available, skinny_bf16_available
 
     tune_allocator()
@@ -115,7 +116,8 @@ def speed_up_for_cpu(model: torch.nn.Module, *, language_model: torch.nn.Module 
     decode_copy = decode_copies_fit(model)
     options = PlanOptions(cpu=True, sharded=sharded, decode_copy=decode_copy,
                           skinny=decode_copy and not sharded and skinny_available(kernels),
-                          skinny_bf16=decode_copy and not sharded and skinny_bf16_available(kernels))
+                          skinny_bf16=decode_copy and not sharded and skinny_bf16_available(kernels),
+                          grouped_int8=grouped_native_available(kernels))
     plan = plan_linears(model, options, language_model=language_model)
     # after fusing: a lean layer slices its fused products itself (layers/cpu_decoder.py)
     lean = install_lean_layers(language_model, kernels) if plan.groups and language_model is not None else 0

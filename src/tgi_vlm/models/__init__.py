@@ -28,23 +28,31 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
     from tgi_vlm.models.tensor_parallel import plan_layout
 
+    from tgi_vlm.quantization.gguf_file import GgufFile
+
+    gguf_file = GgufFile.find(model_id)
+    source, gguf_args = gguf_file.pretrained_args() if gguf_file is not None else (model_id, {})
     backend = resolve_backend(config.attention, config.device)
     attn_name = register_paged_attention()  # one dispatcher; the backend object belongs to the model
     config = dataclasses.replace(config, attention=backend)  # what actually runs (Info reports it)
     _log_what_launcher_switches_do(config)
-    hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code, **gguf_args)
     choice = choose_dtype(config, hf_config)
     config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[choice.name]
     # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
     layout = plan_layout(hf_config, config.rank, config.world_size)
+    if gguf_file is not None and config.world_size > 1:
+        raise ValueError(f"{gguf_file.path.name}: a GGUF file is served on one shard (--num-shard 1); its quantized "
+                         "weights are not split across ranks")
     if _is_vision_language(hf_config):
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
         engine = load_vlm(model_id, hf_config, config, attn_name, dtype, layout, revision=revision,
                           trust_remote_code=trust_remote_code)
     else:
-        engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code)
+        engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code,
+                                  gguf_file)
     engine.linear_plan = _plan_linears(engine, config)
     return engine
 
@@ -86,24 +94,31 @@ def _is_vision_language(hf_config) -> bool:
 
 
 def _load_text_model(model_id, hf_config, config: EngineConfig, attn_name, dtype, layout: ShardLayout, revision,
-                     trust_remote_code):
+                     trust_remote_code, gguf_file=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
     from tgi_vlm.models.tensor_parallel import keep_own_kv_head, load_kwargs
 
+    # A GGUF file: transformers reads config, tokenizer and (de-quantized) weights from it; never a pickle either.
+    source, file_args = gguf_file.pretrained_args() if gguf_file is not None else (model_id, {"use_safetensors": True})
     model = AutoModelForCausalLM.from_pretrained(
-        model_id,
+        source,
         revision=revision,
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_name,
         dtype=dtype,
-        use_safetensors=True,  # never unpickle weights
+        **file_args,  # safetensors only: never unpickle weights
         **load_kwargs(hf_config, layout, config.device),
     ).to(config.device)
+    if gguf_file is not None:
+        from tgi_vlm.quantization.gguf_checkpoint import attach_quantized_weights
+
+        attach_quantized_weights(model, gguf_file)
     keep_own_kv_head(model.get_decoder(), model.config.get_text_config(), layout)
     tokenizer = AutoTokenizer.from_pretrained(
-        model_id, revision=revision, trust_remote_code=trust_remote_code, truncation_side="left"
+        source, revision=revision, trust_remote_code=trust_remote_code, truncation_side="left",
+        **({k: v for k, v in file_args.items() if k == "gguf_file"}),
     )
     logger.info("loaded {} ({}) on {} in {}", Path(model_id).name, type(model).__name__, config.device, dtype)
     return FlashCausalLM(model, tokenizer, config, model_id=model_id, layout=layout)

@@ -79,7 +79,11 @@ class TokenCounter:
                  limits: InputLimits | None = None, fast_count: bool = True):
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+        from tgi_vlm.quantization.gguf_file import pretrained_source
+
+        model_id, gguf_args = pretrained_source(model_id)  # a GGUF file: its directory, and gguf_file=
+        hf_config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code,
+                                               **gguf_args)
         self.limits = limits or InputLimits()
         self.fast_count = fast_count
         self._shortcut_failed = False
@@ -99,7 +103,8 @@ class TokenCounter:
         else:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision,
+                                                           trust_remote_code=trust_remote_code, **gguf_args)
 
     def shortcut_agrees(self) -> bool:
         """Whether the counting shortcut gives the processor's ids on probe images of several sizes and

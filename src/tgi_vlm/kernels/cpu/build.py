@@ -8,7 +8,7 @@ renamed into place, so two shards starting together never load a half-written fi
 
 Two libraries, so that what runs anywhere is not lost where the rest cannot run:
 - `portable`: rotary_kv.c and rms_norm.c, scalar C, on any x86-64 Linux with a C compiler;
-- `avx512`: decode_attention.c, skinny_linear.c and greedy.c, AVX-512 intrinsics; not built on a CPU without AVX-512F.
+- `avx512`: decode_attention.c, skinny_linear.c, greedy.c and grouped_linear.c, AVX-512 intrinsics; not built on a CPU without AVX-512F.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ SCALAR_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"
 ATTENTION_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-c")
 # Float32 linears for few rows: intrinsics only (no -ffast-math: nothing to gain, and sums stay as written).
 LINEAR_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-c")
+# Quantized (int8-grouped) weights: as LINEAR_FLAGS, and no contraction either, so the de-quantized weight is
+# scale * code - offset rounded twice, bit for bit the gguf package's values.
+GROUPED_FLAGS = (*LINEAR_FLAGS[:-1], "-ffp-contract=off", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 
 
@@ -70,7 +73,7 @@ class LibrarySpec:
 PORTABLE = LibrarySpec("portable", (Source("rotary_kv.c", SCALAR_FLAGS), Source("rms_norm.c", SCALAR_FLAGS)),
                        headers=("bf16.h",))
 AVX512 = LibrarySpec("avx512", (Source("decode_attention.c", ATTENTION_FLAGS), Source("skinny_linear.c", LINEAR_FLAGS),
-                                Source("greedy.c", ATTENTION_FLAGS)),
+                                Source("greedy.c", ATTENTION_FLAGS), Source("grouped_linear.c", GROUPED_FLAGS)),
                      needs_cpu_flag="avx512f", needs_cpu_feature="AVX-512")
 LIBRARIES = (PORTABLE, AVX512)
 

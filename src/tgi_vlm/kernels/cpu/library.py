@@ -45,7 +45,7 @@ class PortableLibrary:
 
 
 class Avx512Library:
-    """decode_attention.c, skinny_linear.c and greedy.c; `attention_dtypes`: the dtypes its decode attention computes (none
+    """decode_attention.c, skinny_linear.c, greedy.c and grouped_linear.c; `attention_dtypes`: the dtypes its decode attention computes (none
     when built without AVX-512), `skinny_max_rows` / `skinny_bf16_max_rows`: the most rows its float32 / bfloat16
     linear takes (0: none; the bf16 one needs AVX512-BF16), `amx_max_rows`: the most its bf16 linear runs on AMX
     tiles (0: no AMX)."""
@@ -64,6 +64,10 @@ class Avx512Library:
         self.skinny_bf16_max_rows = library.tgi_vlm_skinny_bf16_max_rows()  # 0: built without AVX512-BF16
         self.amx_max_rows = library.tgi_vlm_amx_max_rows()  # 0: no AMX tiles here (built without, or refused)
         self.greedy_logsumexp = _bind(library, "tgi_vlm_greedy_logsumexp", [_P, _I64, _I64, _I64, _P, _P, _P, _INT])
+        self.grouped_int8_linear = _bind(library, "tgi_vlm_grouped_int8_linear",
+                                         [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _INT])
+        self.grouped_int8_dequantize = _bind(library, "tgi_vlm_grouped_int8_dequantize",
+                                             [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _INT])
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.attention_dtypes = frozenset(dtype for dtype, code in DTYPE_CODES.items() if codes & code)
 
@@ -71,7 +75,8 @@ class Avx512Library:
 # Which library holds each op (ops.py registers them as tgi_vlm::<name>).
 OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "gemma_rms_norm": "portable",
               "decode_attention": "avx512",
-              "skinny_linear": "avx512", "skinny_linear_bf16": "avx512", "greedy_logsumexp": "avx512"}
+              "skinny_linear": "avx512", "skinny_linear_bf16": "avx512", "greedy_logsumexp": "avx512",
+              "grouped_int8_linear": "avx512", "grouped_int8_dequantize": "avx512"}
 _BINDINGS = {"portable": PortableLibrary, "avx512": Avx512Library}
 
 

@@ -20,6 +20,8 @@ otherwise.
 | `gemma_rms_norm` | transformers' Gemma RMSNorm (`(1 + w)`, one rounding), per head of `[T, G, H]` | `out` (may be `x`) |
 | `skinny_linear` | float32 x W^T + b for 1..`skinny_max_rows` rows, W in `blocked_weight`'s layout | nothing |
 | `greedy_logsumexp` | per float32 row: the max's first index, the max, logsumexp | nothing |
+| `grouped_int8_linear` | float32 / bfloat16 x W^T, W as int8 codes with a float32 scale (and offset) per group of inputs | nothing |
+| `grouped_int8_dequantize` | that weight as a float32 / bfloat16 matrix (the format's values; bf16 rounded once) | nothing |
 | `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AMX tiles up to `amx_max_rows`, else AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
 """
 
@@ -500,3 +502,66 @@ def can_choose_greedily(scores: torch.Tensor) -> bool:
     """Whether `greedy_logsumexp` runs here on `scores` (the library loaded and the tensor fits)."""
     kernels = library.loaded()
     return (kernels is not None and kernels.available("greedy_logsumexp") and _greedy_problem(scores) is None)
+
+
+# ----- grouped int8 weights (quantized checkpoints) -----
+
+def _grouped_problem(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                     group: int) -> str | None:
+    rows_ok = x.dim() == 2 and x.shape[0] >= 1 and x.is_contiguous() and x.dtype in _DTYPE_CODES
+    codes_ok = codes.dim() == 2 and codes.dtype == torch.int8 and codes.is_contiguous() and codes.shape[0] >= 1
+    if not (_all_cpu(x, codes, scales, offsets) and rows_ok and codes_ok and group >= 16 and group % 16 == 0
+            and codes.shape[1] == x.shape[1] and x.shape[1] % group == 0 and x.shape[1] >= group):
+        return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
+                f"group {group}: CPU tensors, contiguous float32/bfloat16 x, int8 codes [out, in], a group that is a "
+                f"multiple of 16 dividing in)")
+    groups = (codes.shape[0], codes.shape[1] // group)
+    for name, t in (("scales", scales), ("offsets", offsets)):
+        if t is not None and not (t.dtype == torch.float32 and tuple(t.shape) == groups and t.is_contiguous()):
+            return f"{name} must be contiguous float32 {groups}, got {tuple(t.shape)} {t.dtype}"
+    return None
+
+
+@_op("grouped_int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group) -> Tensor",
+     lambda x, codes, scales, offsets, group: x.new_empty(x.shape[0], codes.shape[0]))
+def grouped_int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                        group: int) -> torch.Tensor:
+    """`x` `[rows, in]` (float32 or bfloat16) times W^T where W[o, k] = scales[o, k // group] * codes[o, k]
+    - offsets[o, k // group] (no offsets: 0): `[rows, out]` in x's dtype, summed in float32 (csrc/grouped_linear.c;
+    tests/unit/test_grouped_int8_linear.py holds it to F.linear over the de-quantized weight)."""
+    _refuse("grouped_int8_linear", _grouped_problem(x, codes, scales, offsets, group))
+    lib = _loaded("grouped_int8_linear")
+    out = torch.empty(x.shape[0], codes.shape[0], dtype=x.dtype)
+    status = lib.grouped_int8_linear(x.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], codes.data_ptr(),
+                                     codes.shape[0], scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                                     group, out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("tgi_vlm::grouped_int8_linear: no memory for the float32 copy of x")
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::grouped_int8_linear refused {tuple(x.shape)} x {tuple(codes.shape)}")
+    return out
+
+
+@_op("grouped_int8_dequantize(Tensor codes, Tensor scales, Tensor? offsets, int group, ScalarType dtype) -> Tensor",
+     lambda codes, scales, offsets, group, dtype: codes.new_empty(codes.shape, dtype=dtype))
+def grouped_int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """The weight `grouped_int8_linear` multiplies by, `[out, in]` in `dtype` (float32: bit for bit
+    `GroupedInt8Weight.dequantize`; bfloat16: that, rounded once)."""
+    probe = torch.empty(1, codes.shape[1] if codes.dim() == 2 else 0, dtype=dtype)
+    _refuse("grouped_int8_dequantize", _grouped_problem(probe, codes, scales, offsets, group))
+    lib = _loaded("grouped_int8_dequantize")
+    out = torch.empty(codes.shape, dtype=dtype)
+    status = lib.grouped_int8_dequantize(codes.data_ptr(), codes.shape[0], codes.shape[1], scales.data_ptr(),
+                                         None if offsets is None else offsets.data_ptr(), group, out.data_ptr(),
+                                         _DTYPE_CODES[dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::grouped_int8_dequantize refused {tuple(codes.shape)}")
+    return out
+
+
+def can_run_grouped_int8(x: torch.Tensor) -> bool:
+    """Whether `grouped_int8_linear` runs here (the library loaded, x CPU float32/bfloat16)."""
+    kernels = library.loaded()
+    return (kernels is not None and kernels.available("grouped_int8_linear") and x.is_cpu
+            and x.dtype in _DTYPE_CODES)

@@ -5,6 +5,9 @@
 (layers/linear/fused.py), and returns a `LinearPlan` read back from the modules themselves, so what it logs is
 what runs. The rules, in order, for one layer:
 
+0. a layer a quantized checkpoint's loader gave a `quantized_weight` (quantization/gguf_checkpoint.py):
+   `int8-grouped(<format>)`, with the native product (`+native`) for decode-sized rows where it loads
+   (layers/linear/grouped.py), on any device, sharded or not;
 1. not on CPU, or the CPU speed-ups off (`TGI_VLM_CPU_SPEEDUPS=0`), or a tensor-parallel rank (its plan hooks the
    modules and its weights are DTensors): `torch`;
 2. a weight that is not a plain tensor (a subclass: quantized, DTensor, ...) reports a dtype it may not be stored
@@ -36,6 +39,7 @@ import torch
 from loguru import logger
 
 from tgi_vlm.layers.linear.fused import GROUPS, FusedMember, FusedProjections, fuse, fused_groups
+from tgi_vlm.layers.linear.grouped import GroupedInt8Linear, quantized_weight_of
 from tgi_vlm.layers.linear.kernels import (
     BucketedLinear,
     LinearKernel,
@@ -67,6 +71,7 @@ class PlanOptions:
     decode_copy: bool = False  # a second copy fits: float32 decode extras, a tied head packed beside its embedding
     skinny: bool = False  # the native skinny-linear library loads (and is switched on)
     skinny_bf16: bool = False  # its bf16 loop loads too (AVX512-BF16)
+    grouped_int8: bool = False  # the native product of int8-grouped (quantized) weights loads
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,10 @@ def plan_linears(model: torch.nn.Module, options: PlanOptions, *,
 
 def choose_kernel(module: torch.nn.Linear, options: PlanOptions, *, shared: bool = False) -> LinearKernel:
     source = PlainWeights((module,))
+    quantized = quantized_weight_of(module)
+    if quantized is not None:  # the kernel owns it from here
+        del module.quantized_weight
+        return GroupedInt8Linear(source, quantized, native=options.cpu and options.grouped_int8)
     weight = module.weight
     if not options.cpu or options.sharded or type(weight.data) is not torch.Tensor or weight.device.type != "cpu":
         return TorchLinear(source)

@@ -1,0 +1,238 @@
+/* Linear layers whose weight is stored as int8 codes with a float32 scale (and optionally an offset) per group of
+   `group` consecutive inputs: W[o, k] = scales[o, k / group] * codes[o, k] - offsets[o, k / group]. The op
+   tgi_vlm::grouped_int8_linear computes y = x W^T for float32 or bfloat16 x (ops.py checks the inputs;
+   tgi_vlm/quantization/grouped.py's `dequantize` + F.linear is the reference it is tested against).
+
+   Why: a quantized checkpoint (a GGUF file's Q8_0 / Q5_0 / Q4_K / Q6_K blocks; quantization/gguf_blocks.py turns
+   each into this form exactly) is read from memory at about a byte per weight here instead of two (bf16), and
+   decode steps are memory-bound. torch's weight-only ops take per-channel int8 (`_weight_int8pack_mm`) or 4-bit
+   codes (`_weight_int4pack_mm_for_cpu`); neither holds a 5-, 6- or 8-bit code with a scale per 16 or 32 inputs
+   exactly, which is what these files carry.
+
+   Sums: per group, the products x * code in float32 (k order within 16-wide lanes), times the group's scale, added
+   into a float32 accumulator per lane; lanes added at the end; the offsets' term (sum over groups of offset times
+   the group's sum of x) subtracted last. Not F.linear's order: within float32 rounding of the exact sum.
+
+   Work: blocks of OUT_BLOCK outputs shared out by OpenMP over the thread pool torch uses; in a block, tiles of up
+   to ROW_TILE rows; in a tile, each output's codes are converted to float32 once per 16 inputs and used for every
+   row of the tile (the block's codes stay in L1/L2 for the next tile). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROW_TILE 8
+#define OUT_BLOCK 16
+#define PREFETCH_BYTES 4096 /* codes ahead of their use: a block's codes are one contiguous stream */
+#define DTYPE_FLOAT32 1
+#define DTYPE_BFLOAT16 2
+
+#if defined(__AVX512F__)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* R rows of x (float32, row stride `in`) against NO consecutive outputs' codes (row stride `in`); each output's
+   results, before the offsets' term, in res[o * OUT_BLOCK + r]. Several outputs at once keep independent FMA
+   chains in flight when there are few rows (one row, one output: every group waited on the last one's sum). */
+ALWAYS_INLINE void dot_rows(const int R, const int NO, const float* x, int64_t in, const int8_t* codes,
+                            const float* scales, int64_t groups, int64_t group, float* res) {
+    __m512 total[4][ROW_TILE];
+#pragma GCC unroll 4
+    for (int o = 0; o < NO; ++o)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) total[o][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 s[4];
+#pragma GCC unroll 4
+        for (int o = 0; o < NO; ++o) s[o] = _mm512_set1_ps(scales[o * groups + g]);
+        for (int64_t c = 0; c < group; c += 16) {
+            const int64_t k = g * group + c;
+            __m512 w[4]; /* the weight itself, scale * code: exactly the format's float32 value */
+#pragma GCC unroll 4
+            for (int o = 0; o < NO; ++o) {
+                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                const __m128i q = _mm_loadu_si128((const __m128i*)(codes + o * in + k));
+                w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s[o]);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512 xv = _mm512_loadu_ps(x + r * in + k);
+#pragma GCC unroll 4
+                for (int o = 0; o < NO; ++o) total[o][r] = _mm512_fmadd_ps(xv, w[o], total[o][r]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int o = 0; o < NO; ++o)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) res[o * ROW_TILE + r] = _mm512_reduce_add_ps(total[o][r]);
+}
+
+/* Outputs [o, o + NO) for R rows: res[(o - first) * ROW_TILE + r]. */
+#define DOT(R_, NO_) dot_rows(R_, NO_, x, in, codes + o * in, scales + o * groups, groups, group, res)
+static void outputs(int R, int NO, const float* x, int64_t in, const int8_t* codes, const float* scales,
+                    int64_t groups, int64_t group, int64_t o, float* res) {
+    if (NO == 4) {
+        switch (R) { /* literal R and NO: dot_rows unrolls and keeps its accumulators in registers */
+            case 4: DOT(4, 4); return;
+            case 3: DOT(3, 4); return;
+            case 2: DOT(2, 4); return;
+            default: DOT(1, 4); return;
+        }
+    }
+    if (NO == 2) {
+        switch (R) {
+            case 8: DOT(8, 2); return;
+            case 7: DOT(7, 2); return;
+            case 6: DOT(6, 2); return;
+            case 5: DOT(5, 2); return;
+            case 4: DOT(4, 2); return;
+            case 3: DOT(3, 2); return;
+            case 2: DOT(2, 2); return;
+            default: DOT(1, 2); return;
+        }
+    }
+    switch (R) {
+        case 8: DOT(8, 1); return;
+        case 7: DOT(7, 1); return;
+        case 6: DOT(6, 1); return;
+        case 5: DOT(5, 1); return;
+        case 4: DOT(4, 1); return;
+        case 3: DOT(3, 1); return;
+        case 2: DOT(2, 1); return;
+        default: DOT(1, 1); return;
+    }
+}
+#undef DOT
+
+/* Up to 16 float32 values -> bfloat16, rounded to nearest even (NaN kept a NaN), stored at y. */
+static inline void store_bf16(uint16_t* y, const float* values, int count) {
+    const __mmask16 mask = count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+    const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, values));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    _mm512_mask_cvtepi32_storeu_epi16(y, mask, rounded);
+}
+
+/* One block of outputs [first, last) for rows [r0, r0 + R): the products, the offsets' term, the stores. */
+static void block(int R, const float* x, int dtype, int64_t r0, int64_t in, const int8_t* codes, const float* scales,
+                  const float* offsets, const float* xsum, int64_t groups, int64_t group, int64_t first, int64_t last,
+                  int64_t out, void* y) {
+    float res[OUT_BLOCK * ROW_TILE]; /* [output - first][row] */
+    const int NO = R <= 4 ? 4 : 2;
+    int64_t o = first;
+    for (; o + NO <= last; o += NO) outputs(R, NO, x, in, codes, scales, groups, group, o, res + (o - first) * ROW_TILE);
+    for (; o < last; ++o) outputs(R, 1, x, in, codes, scales, groups, group, o, res + (o - first) * ROW_TILE);
+    if (offsets != NULL) {
+        for (o = first; o < last; ++o) {
+            const float* off = offsets + o * groups;
+            for (int r = 0; r < R; ++r) {
+                float term = 0.0f;
+                for (int64_t g = 0; g < groups; ++g) term += off[g] * xsum[r * groups + g];
+                res[(o - first) * ROW_TILE + r] -= term;
+            }
+        }
+    }
+    const int count = (int)(last - first);
+    for (int r = 0; r < R; ++r) {
+        float row[OUT_BLOCK];
+        for (int i = 0; i < count; ++i) row[i] = res[i * ROW_TILE + r];
+        if (dtype == DTYPE_FLOAT32)
+            memcpy((float*)y + (r0 + r) * out + first, row, (size_t)count * sizeof(float));
+        else
+            store_bf16((uint16_t*)y + (r0 + r) * out + first, row, count);
+    }
+}
+
+/* x [rows, in] (dtype), codes [out, in] int8, scales / offsets [out, in / group] float32 (offsets may be NULL),
+   y [rows, out] (dtype). Returns 0, -1 for inputs it does not take, -2 without memory for its float32 copy of x. */
+int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
+                                const float* scales, const float* offsets, int64_t group, void* y, int threads) {
+    if (rows < 1 || out < 1 || group < 16 || group % 16 != 0 || in < group || in % group != 0
+        || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
+        return -1;
+    const int64_t groups = in / group;
+    float* xf = (float*)malloc((size_t)(rows * in) * sizeof(float));
+    float* xsum = offsets != NULL ? (float*)malloc((size_t)(rows * groups) * sizeof(float)) : NULL;
+    if (xf == NULL || (offsets != NULL && xsum == NULL)) {
+        free(xf), free(xsum);
+        return -2;
+    }
+    if (dtype == DTYPE_FLOAT32) {
+        memcpy(xf, x, (size_t)(rows * in) * sizeof(float));
+    } else {
+        const uint16_t* xb = (const uint16_t*)x;
+        for (int64_t i = 0; i < rows * in; ++i) {
+            const uint32_t bits = (uint32_t)xb[i] << 16;
+            memcpy(xf + i, &bits, 4);
+        }
+    }
+    if (xsum != NULL) {
+        for (int64_t i = 0; i < rows * groups; ++i) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < group; ++k) sum += xf[i * group + k];
+            xsum[i] = sum;
+        }
+    }
+    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * OUT_BLOCK, last = first + OUT_BLOCK < out ? first + OUT_BLOCK : out;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int R = (int)(rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE);
+            block(R, xf + r0 * in, dtype, r0, in, codes, scales, offsets, xsum ? xsum + r0 * groups : NULL, groups,
+                  group, first, last, out, y);
+        }
+    }
+    free(xf);
+    free(xsum);
+    return 0;
+}
+
+/* The whole weight, W[o, k] = scales * codes - offsets in float32 (the format's exact values: one product and one
+   difference, rounded as the gguf package rounds them), written as float32 or bfloat16 (rounded once) into y
+   [out, in]: prefill-sized products multiply it with torch's kernels. Returns 0, or -1 for inputs it does not
+   take. */
+int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in, const float* scales,
+                                    const float* offsets, int64_t group, void* y, int dtype, int threads) {
+    if (out < 1 || group < 16 || group % 16 != 0 || in < group || in % group != 0
+        || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
+        return -1;
+    const int64_t groups = in / group;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t o = 0; o < out; ++o) {
+        for (int64_t g = 0; g < groups; ++g) {
+            const __m512 s = _mm512_set1_ps(scales[o * groups + g]);
+            const __m512 m = _mm512_set1_ps(offsets != NULL ? offsets[o * groups + g] : 0.0f);
+            for (int64_t c = 0; c < group; c += 16) {
+                const int64_t at = o * in + g * group + c;
+                const __m128i q = _mm_loadu_si128((const __m128i*)(codes + at));
+                __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s);
+                if (offsets != NULL) w = _mm512_sub_ps(w, m);
+                if (dtype == DTYPE_FLOAT32) {
+                    _mm512_storeu_ps((float*)y + at, w);
+                } else {
+                    float values[16];
+                    _mm512_storeu_ps(values, w);
+                    store_bf16((uint16_t*)y + at, values, 16);
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else /* no AVX-512: not built into a library that loads (build.py), kept so the file always compiles */
+int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
+                                const float* scales, const float* offsets, int64_t group, void* y, int threads) {
+    (void)x, (void)dtype, (void)rows, (void)in, (void)codes, (void)out, (void)scales, (void)offsets, (void)group;
+    (void)y, (void)threads;
+    return -1;
+}
+int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in, const float* scales,
+                                    const float* offsets, int64_t group, void* y, int dtype, int threads) {
+    (void)codes, (void)out, (void)in, (void)scales, (void)offsets, (void)group, (void)y, (void)dtype, (void)threads;
+    return -1;
+}
+#endif

@@ -1,0 +1,123 @@
+"""A model path that is a GGUF file: load it through transformers, keep its quantized tensors quantized.
+
+`GgufFile.find(model_id)` says whether `model_id` is a `.gguf` file, or a directory holding exactly one and no
+safetensors; transformers reads its config, tokenizer (and chat template, where the file carries one) and model
+(`from_pretrained(directory, gguf_file=name)`, the `pretrained_args`). transformers de-quantizes every tensor at load;
+`attach_quantized_weights` then reads the file's quantized tensors itself (gguf's memory-mapped reader), decodes
+them into `GroupedInt8Weight`s (gguf_blocks.py), checks each against the weight transformers loaded (bit for bit in
+the model's dtype: the name mapping, the row order, the values), hangs it on its linear layer for the linear plan
+(layers/linear/plan.py gives it a `GroupedInt8Linear`), replaces a quantized token embedding with a
+`QuantizedEmbedding` (a tied lm-head shares its table) and releases the de-quantized copies. What stays in memory
+is the codes and scales: about 1.06x the file's bytes for Q8_0 tensors, 1.45x for Q5_0, 1.8x for Q4_K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from loguru import logger
+
+from tgi_vlm.quantization.gguf_blocks import BLOCKS, UnsupportedBlocks, decode_blocks
+from tgi_vlm.quantization.gguf_file import GgufFile, GgufLoadError
+from tgi_vlm.quantization.grouped import GroupedInt8Weight
+
+_PLAIN_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class AttachedWeights:
+    """What `attach_quantized_weights` did: per module name the block type kept; the bytes kept."""
+
+    types: dict[str, str] = field(default_factory=dict)
+    embedding: str | None = None
+    quantized_bytes: int = 0
+
+    def summary(self) -> str:
+        from collections import Counter
+
+        counts = Counter(self.types.values())
+        kinds = ", ".join(f"{n} x {t}" for t, n in sorted(counts.items()))
+        embed = f"; embedding {self.embedding}" if self.embedding else ""
+        return f"{len(self.types)} quantized tensors kept quantized ({kinds}){embed}; {self.quantized_bytes / 1e6:.1f} MB"
+
+
+def hf_names(model: torch.nn.Module, reader) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, by transformers' GGUF name mapping."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    arch = _field(reader, "general.architecture")
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    return get_gguf_hf_weights_map(model, processor)
+
+
+def _field(reader, key: str):
+    entry = reader.fields.get(key)
+    return None if entry is None else entry.contents()
+
+
+def attach_quantized_weights(model: torch.nn.Module, gguf_file: GgufFile) -> AttachedWeights:
+    """Keep `gguf_file`'s quantized tensors quantized in `model` (loaded from it by transformers), checked equal to
+    what transformers loaded. Refuses, naming the file and tensor, a tensor type it cannot decode and a tensor whose
+    decoded values differ from the loaded ones."""
+    reader = gguf_file.reader()
+    names = hf_names(model, reader)
+    attached = AttachedWeights()
+    modules = dict(model.named_modules())
+    embedding = model.get_input_embeddings()
+    shared: dict[int, GroupedInt8Weight] = {}  # parameter id -> its table (a tied lm-head shares the embedding's)
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name in _PLAIN_TYPES:
+            continue
+        where = f"{gguf_file.path.name}: tensor {tensor.name}"
+        if type_name not in BLOCKS:
+            raise GgufLoadError(f"{where} has GGUF type {type_name}, which this shard cannot read (supported: "
+                                f"{', '.join(BLOCKS)}, {', '.join(_PLAIN_TYPES)})")
+        param_name = names.get(tensor.name)
+        module = modules.get(param_name.rsplit(".", 1)[0]) if param_name and param_name.endswith(".weight") else None
+        if module is None or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            logger.warning("{}: {} kept de-quantized (not a linear layer's or the embedding's weight)", where,
+                           param_name)
+            continue
+        out_features, in_features = module.weight.shape
+        try:
+            weight = decode_blocks(tensor.data, type_name, out_features, in_features, tensor=tensor.name)
+        except UnsupportedBlocks as error:
+            raise GgufLoadError(f"{gguf_file.path.name}: {error}") from error
+        _check_equal(weight, module.weight, where, param_name)
+        shared[id(module.weight)] = weight
+        attached.types[param_name.rsplit(".", 1)[0]] = type_name
+        attached.quantized_bytes += weight.nbytes
+    _hand_over(model, modules, embedding, shared, attached)
+    logger.info("{}: {}", gguf_file.path.name, attached.summary())
+    return attached
+
+
+def _check_equal(weight: GroupedInt8Weight, loaded: torch.Tensor, where: str, param_name: str) -> None:
+    """The decoded tensor in the model's dtype is, bit for bit, what transformers loaded for `param_name`."""
+    rows = loaded.shape[0]
+    step = max(1, (1 << 24) // max(1, loaded.shape[1]))  # ~16M values at a time
+    for start in range(0, rows, step):
+        index = torch.arange(start, min(rows, start + step))
+        if not torch.equal(weight.dequantize(rows=index).to(loaded.dtype), loaded[start:start + step]):
+            raise GgufLoadError(f"{where}: its {weight.source} blocks decode to other values than transformers "
+                                f"loaded for {param_name} (rows {start}..{start + len(index) - 1}); not served "
+                                "quantized rather than served wrong")
+
+
+def _hand_over(model: torch.nn.Module, modules: dict[str, torch.nn.Module], embedding: torch.nn.Module,
+               tables: dict[int, GroupedInt8Weight], attached: AttachedWeights) -> None:
+    """Quantized tables to their owners: the embedding module replaced, linears given `quantized_weight` for the
+    plan; then every de-quantized copy released (a meta-device placeholder keeps each parameter's shape and dtype)."""
+    from tgi_vlm.layers.quantized_embedding import QuantizedEmbedding
+
+    if isinstance(embedding, torch.nn.Embedding) and id(embedding.weight) in tables:
+        model.set_input_embeddings(QuantizedEmbedding.replacing(embedding, tables[id(embedding.weight)]))
+        attached.embedding = tables[id(embedding.weight)].source
+    for name, module in modules.items():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) in tables:
+            module.quantized_weight = tables[id(module.weight)]
+            attached.types.setdefault(name, module.quantized_weight.source.split()[-1])
+            module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
+                                                           device="meta"), requires_grad=False)

@@ -1,0 +1,54 @@
+"""A quantized weight as int8 codes with a float32 scale (and optionally an offset) per group of inputs.
+
+`GroupedInt8Weight` is the one in-memory form the shard computes quantized linear layers and embeddings from:
+W[o, k] = scales[o, k // group] * codes[o, k] - offsets[o, k // group]. Every block type this package reads (a GGUF
+file's Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K; quantization/gguf_blocks.py) is exactly this form, so
+`dequantize` gives, bit for bit, the float32 values the format defines (the gguf package's de-quantization, which
+transformers uses, computes the same products in the same order). Codes of 4-6 bits take a byte each here: a
+Q5_0 tensor is 1.45x its file size in memory, a Q8_0 one 1.06x, for one kernel that serves every type
+(kernels/cpu/csrc/grouped_linear.c).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class GroupedInt8Weight:
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in // group] float32
+    offsets: torch.Tensor | None  # [out, in // group] float32, subtracted; None: symmetric codes
+    group: int  # inputs per scale: 16 or 32 here, a multiple of 16 for the native kernel
+    source: str  # where it came from, for the plan's log: "gguf Q5_0"
+
+    def __post_init__(self):
+        out, in_features = self.codes.shape
+        groups = (out, in_features // self.group)
+        if (self.codes.dtype != torch.int8 or in_features % self.group or tuple(self.scales.shape) != groups
+                or (self.offsets is not None and tuple(self.offsets.shape) != groups)):
+            raise ValueError(f"{self.source}: codes {tuple(self.codes.shape)} {self.codes.dtype}, scales "
+                             f"{tuple(self.scales.shape)}, group {self.group} do not describe one weight")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The float32 weight `[out, in]` (or only `rows`: a 1-D index tensor or a slice of the outputs)."""
+        codes, scales, offsets = self.codes, self.scales, self.offsets
+        if rows is not None:
+            codes, scales = codes[rows], scales[rows]
+            offsets = offsets[rows] if offsets is not None else None
+        n, in_features = codes.shape
+        values = codes.view(n, -1, self.group).float() * scales.unsqueeze(-1)  # scale * code, then - offset
+        if offsets is not None:
+            values = values - offsets.unsqueeze(-1)
+        return values.view(n, in_features)
