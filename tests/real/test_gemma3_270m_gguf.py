@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.models.reference import hf_greedy
-from tests.real.test_gemma3_270m import N, PROMPTS, hf_model
+from tests.real.test_gemma3_270m import PROMPTS, N, hf_model
 from tgi_vlm.config import EngineConfig
 from tgi_vlm.models import get_model
 from tgi_vlm.testing.harness import Runner, make_request

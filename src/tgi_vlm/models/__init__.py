@@ -27,7 +27,6 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
 
     from tgi_vlm.layers.attention import register_paged_attention, resolve_backend
     from tgi_vlm.models.tensor_parallel import plan_layout
-
     from tgi_vlm.quantization.gguf_file import GgufFile
 
     gguf_file = GgufFile.find(model_id)

@@ -44,7 +44,11 @@ class AttachedWeights:
 
 def hf_names(model: torch.nn.Module, reader) -> dict[str, str]:
     """GGUF tensor name -> the model's parameter name, by transformers' GGUF name mapping."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
     arch = _field(reader, "general.architecture")
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
