@@ -10,7 +10,7 @@ dispatch between ops.
     .venv/bin/python benchmarks/decode_profile.py --model DIR --batch 1,16 --dtype float32 --label after
 
 Writes benchmarks/results/decode_profile-<label>.{json,md}. The bandwidth floor is the bytes of weights a step
-reads once (every parameter, the tied lm-head counted once as the embedding) over the host's read bandwidth,
+reads once (every weight as stored, quantized ones included, the tied lm-head counted once as the embedding) over the host's read bandwidth,
 measured here by streaming a 1 GiB tensor (torch.sum, the threads the engine uses).
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tgi_vlm.config import EngineConfig
+from tgi_vlm.layers.weight_memory import weight_bytes
 from tgi_vlm.models import get_model
 from tgi_vlm.models.flash_causal_lm import DEFAULT_PREFILL_BUDGET
 from tgi_vlm.router.warmup import warmup_request
@@ -37,7 +38,7 @@ from tgi_vlm.testing.machine import machine
 RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 128
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear",
-               "tgi_vlm::skinny_linear", "tgi_vlm::skinny_linear_bf16", "aten::matmul")
+               "tgi_vlm::skinny_linear", "tgi_vlm::skinny_linear_bf16", "aten::matmul", "tgi_vlm::grouped_int8_linear")
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[str]:
@@ -56,14 +57,6 @@ def read_bandwidth_gbs() -> float:
         x.sum()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best / 1e9
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter once (a tied weight counted once), in the dtype it is stored in."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[id(p)] = p.numel() * p.element_size()
-    return sum(seen.values())
 
 
 def bucket(name: str, shapes: list, vocab: int) -> str:

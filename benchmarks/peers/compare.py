@@ -239,10 +239,11 @@ def ratio_entry(label: str, a: dict, b: dict) -> dict:
             "itl_p50": _ratio(sa["itl_s"]["p50"], sb["itl_s"]["p50"])}
 
 
-def llamacpp_ratios(rows: list[dict]) -> list[dict]:
+def llamacpp_ratios(rows: list[dict], same_file: frozenset[str] = frozenset()) -> list[dict]:
     """tgi-vlm / llama.cpp: at equal precision (tgi-vlm's dtype, its default's included, equal to the GGUF's key),
-    and tgi-vlm's default against each quantized file (marked as such: not equal precision). Prefix cache: tgi-vlm's
-    off rows where there are, else its default (the workload shares no prefix; llama.cpp's cache is off)."""
+    tgi-vlm serving the very GGUF file llama.cpp runs (`same_file`: those keys; tgi-vlm's default row), and tgi-vlm's
+    default against each other quantized file (marked as such: not equal precision). Prefix cache: tgi-vlm's off rows
+    where there are, else its default (the workload shares no prefix; llama.cpp's cache is off)."""
     ok = [r for r in rows if r["error"] is None]
     peers = [r for r in ok if r["run"]["system"] == "llamacpp"]
     tgi = [r for r in ok if r["run"]["system"] == "tgi-vlm"]
@@ -254,7 +255,11 @@ def llamacpp_ratios(rows: list[dict]) -> list[dict]:
         for a in tgi:
             if a["run"].get("round", 0) != b["run"].get("round", 0):
                 continue
-            if a["dtype"] == key:
+            if key in same_file:
+                if a["run"]["dtype"] != "default":
+                    continue
+                label = f"llama.cpp {key}, the same GGUF file (tgi-vlm: its quantized weights, {a['dtype']} activations)"
+            elif a["dtype"] == key:
                 label = f"llama.cpp {key}, equal precision" + (" (tgi-vlm default)" if a["run"]["dtype"] == "default"
                                                                else "")
             elif a["run"]["dtype"] == "default" and key not in ("float32", "bfloat16", "float16"):
@@ -387,7 +392,19 @@ def default_vllm_python() -> Path:
     return Path(venv) / "bin" / "python"
 
 
+def same_gguf_keys(ctx: Context) -> frozenset[str]:
+    """The --llamacpp-gguf keys whose file is the GGUF file tgi-vlm serves (--model real-gemma-gguf or a .gguf)."""
+    served = Path(ctx.model)
+    if served.suffix != ".gguf":
+        return frozenset()
+    return frozenset(k for k, (f, _) in ctx.llamacpp_gguf.items() if Path(f).resolve() == served.resolve())
+
+
 def ensure_model(model: str | None, work_dir: Path) -> str:
+    if model == "real-gemma-gguf":  # the same file, served as it is (its quantized tensors kept quantized)
+        from tgi_vlm.testing.real_models import gemma3_270m_gguf
+
+        return str(gemma3_270m_gguf())
     if model == "real-gemma":  # Gemma 3 270M, de-quantized once from the package index's GGUF (real-models extra)
         from tgi_vlm.testing.real_models import gemma3_270m_dir
 
@@ -404,7 +421,8 @@ def ensure_model(model: str | None, work_dir: Path) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="model directory (default: the bench Qwen2-VL, built under --work-dir); real-gemma: "
-                                   "Gemma 3 270M from the package index (with --images-per-request 0)")
+                                   "Gemma 3 270M from the package index, de-quantized (with --images-per-request 0); "
+                                   "real-gemma-gguf: its Q4_K_M GGUF file itself")
     p.add_argument("--work-dir", type=Path, default=default_work_dir(),
                    help="model, workload and each run's files (default: %(default)s)")
     p.add_argument("-n", "--num-requests", type=int, default=64)
@@ -470,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
                            "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload.requests),
                            "output_tokens": sum(r.max_new_tokens for r in workload.requests)},
               "runs_dir": str(runs_dir.relative_to(a.work_dir)), "rows": rows,
-              "ratios": ratios(rows) + llamacpp_ratios(rows),
+              "ratios": ratios(rows) + llamacpp_ratios(rows, same_gguf_keys(ctx)),
               "rounds": a.rounds}
     report["summary"] = summary(report["ratios"])
     a.out_dir.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,10 @@ def export_workload(model: str, out_dir: Path, *, num_requests: int = 64, concur
     for i, item in enumerate(items):
         prompt, images = layout(item.params.chunks)
         requests.append((prompt, images, item.params.max_new_tokens, counter.input_ids(item.params.to_pb(i))))
-    model_type = AutoConfig.from_pretrained(model).model_type
+    from tgi_vlm.quantization.gguf_file import pretrained_source
+
+    source, gguf_args = pretrained_source(model)  # a GGUF file: its directory and gguf_file=
+    model_type = AutoConfig.from_pretrained(source, **gguf_args).model_type
     return write_workload(out_dir, model=Path(model).name, model_type=model_type, spec=spec.to_dict(),
                           warmup=(warm_prompt, warm_images, WARMUP_TOKENS), requests=requests)
 

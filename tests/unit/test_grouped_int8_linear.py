@@ -49,9 +49,6 @@ def test_products_equal_f_linear_over_the_dequantized_weight_at_every_row_count(
         y = ops.grouped_int8_linear(x, weight.codes, weight.scales, weight.offsets, group)
         assert y.dtype == dtype and y.shape == (rows, out)
         assert within_bound(y, x.float(), dense), (rows, out, in_features, group)
-        if dtype == torch.float32:  # each row alone gives the same answer (rows do not mix)
-            alone = ops.grouped_int8_linear(x[-1:].contiguous(), weight.codes, weight.scales, weight.offsets, group)
-            assert torch.equal(alone[0], y[-1])
 
 
 @needs_the_op

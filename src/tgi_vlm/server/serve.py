@@ -56,6 +56,10 @@ def serve(config: ServerConfig, model_factory: ModelFactory) -> None:
     leave = True
     try:
         model = model_factory(config)
+        if config.engine.device.startswith("cpu"):  # the model thread runs it from here on (see release_openmp_threads)
+            from tgi_vlm.layers.cpu import release_openmp_threads
+
+            release_openmp_threads()
         asyncio.run(_serve_until_stopped(config, model, group))
     except ModelThreadBusy:
         leave = False  # destroying the group could wait on the very collective the thread is stuck in
