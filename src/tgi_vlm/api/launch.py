@@ -128,6 +128,9 @@ def banner(state: ApiState, url: str) -> str:
         "",
         f"Also: {url}/info, {url}/health, {url}/metrics, {url}/docs. Ctrl-C stops the server and the shard.",
     ]
+    if state.chat_template.template is None:  # e.g. a GGUF file without tokenizer.chat_template: no chat lines
+        lines[5:8] = ["  (no chat template in this model: /v1/chat/completions answers a template error; use "
+                      "/generate, or /v1/completions)"]
     if image:
         lines.insert(-2, "  (images: markdown ![](data:image/png;base64,...) or ![](https://...) in /generate inputs, "
                         "image_url parts in chat)")

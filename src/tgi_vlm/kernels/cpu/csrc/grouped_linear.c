@@ -23,7 +23,7 @@
 
 #define ROW_TILE 8
 #define OUT_BLOCK 16
-#define PREFETCH_BYTES 16384 /* codes ahead of their use: a block's codes are one contiguous stream */
+#define PREFETCH_BYTES 32768 /* codes ahead of their use, into L2: a block's codes are one contiguous stream */
 #define DTYPE_FLOAT32 1
 #define DTYPE_BFLOAT16 2
 
@@ -53,7 +53,7 @@ ALWAYS_INLINE void dot_rows_grouped(const int R, const int NO, const float* x, i
             __m512 w[4];
 #pragma GCC unroll 4
             for (int o = 0; o < NO; ++o) {
-                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T1);
                 w[o] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + o * in + k))));
             }
 #pragma GCC unroll 8
@@ -93,7 +93,7 @@ ALWAYS_INLINE void dot_rows_scaled(const int R, const int NO, const float* x, in
             __m512 w[4]; /* the weight itself, scale * code: exactly the format's float32 value */
 #pragma GCC unroll 4
             for (int o = 0; o < NO; ++o) {
-                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T1);
                 const __m128i q = _mm_loadu_si128((const __m128i*)(codes + o * in + k));
                 w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s[o]);
             }
