@@ -10,12 +10,11 @@ load of the same file (`from_pretrained(directory, gguf_file=name)`, which de-qu
   layers keep no de-quantized copy (their parameters are meta-device placeholders);
 - in bfloat16 the same batch runs to the requested number of tokens, every one a token of the vocabulary.
 
-Two known faults are tests marked xfail(strict): each XPASSes, failing the run, once its fault is fixed (then the
-marker comes off):
-- a llama file whose q/k projections are quantized (the default mix of tiny_gguf.py) is refused: llama.cpp stores
-  their rows permuted per head, transformers reverses that on load, and the loader compares the file's rows,
-  unpermuted, with transformers'. So the served file keeps attn_q / attn_k / attn_v in F32 (SERVED_TYPES);
-- the tokenizer transformers builds from the file holds one id past the embedding's rows.
+Two faults these tests found, fixed: a llama file's q/k projections are stored with their rows permuted per head
+(llama.cpp's rotary layout; transformers reverses it on load): the loader takes the decoded rows in transformers'
+order (`gguf_checkpoint.row_order`) and serves them quantized too; and the tokenizer transformers builds from the
+file holds one id past the embedding's rows (GPT-2's `<|endoftext|>`): a prompt holding that text is refused by
+name, the other requests of its batch unaffected.
 """
 
 from __future__ import annotations
@@ -29,13 +28,12 @@ from tgi_vlm.config import EngineConfig
 from tgi_vlm.layers.linear.grouped import grouped_native_available
 from tgi_vlm.layers.quantized_embedding import QuantizedEmbedding
 from tgi_vlm.models import get_model
-from tgi_vlm.quantization.gguf_file import GgufLoadError
 from tgi_vlm.testing.harness import Runner, make_request
 from tgi_vlm.testing.tiny_gguf import DEFAULT_TYPES, write_tiny_gguf
 
 PROMPTS = ["hello world this is", "the quick brown fox jumps over the lazy dog and then some more words", "a"]
 N = 12
-SERVED_TYPES = {"attn_q": "F32", "attn_k": "F32", "attn_v": "F32"}  # see the module docstring
+SERVED_TYPES: dict[str, str] = {}  # tiny_gguf's default mix, q/k/v quantized (Q8_0) too
 LAYERS = 2
 VOCAB = 659  # the tiny tokenizer's 3 special tokens, 256 bytes and 400 merges: the embedding's rows
 
@@ -74,13 +72,15 @@ def engine_f32(gguf_path):
 def expected_quantized_kernels() -> dict[str, str]:
     """Layer -> kernel name for every linear stored quantized in the served file."""
     native = "+native" if grouped_native_available() else ""
-    kinds = {"self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    kinds = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
     kernels = {"lm_head": f"int8-grouped(gguf {DEFAULT_TYPES['output']}){native}"}
     for i in range(LAYERS):
         for layer, kind in kinds.items():
             kernel = f"int8-grouped(gguf {DEFAULT_TYPES[kind]}){native}"
-            kernels[f"model.layers.{i}.{layer}"] = f"fused({kernel})" if kind in ("ffn_gate", "ffn_up") else kernel
+            fused = kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
+            kernels[f"model.layers.{i}.{layer}"] = f"fused({kernel})" if fused else kernel
     return kernels
 
 
@@ -117,12 +117,12 @@ def test_every_quantized_tensor_is_kept_quantized_in_an_int8_grouped_kernel(engi
     plan = engine_f32.linear_plan
     quantized = {name: kernel for name, kernel in plan.kernels.items() if "int8-grouped" in kernel}
     assert quantized == expected_quantized_kernels()
-    f32 = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(LAYERS) for p in "qkv"}
-    assert set(plan.kernels) - set(quantized) == f32  # F32 in the file: a float32 kernel
+    assert set(plan.kernels) == set(quantized)  # every linear of the file is quantized, q/k (rows permuted) too
     native = "+native" if grouped_native_available() else ""
     gate_up = {f"model.layers.{i}.mlp.gate_proj+up_proj": f"int8-grouped(gguf Q4_1){native}" for i in range(LAYERS)}
     assert {name: kernel for name, kernel in plan.groups.items() if "gate_proj" in name} == gate_up
-    assert set(plan.groups) - set(gate_up) == {f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj" for i in range(LAYERS)}
+    qkv = {f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj": f"int8-grouped(gguf Q8_0){native}" for i in range(LAYERS)}
+    assert {name: kernel for name, kernel in plan.groups.items() if "q_proj" in name} == qkv
     model = engine_f32.model
     # fused q/k/v and gate/up: the decoder layers run the lean CPU forward over the quantized kernels
     assert [type(layer).__name__ for layer in model.model.layers] == ["LeanLlamaDecoderLayer"] * LAYERS
@@ -151,24 +151,17 @@ def test_bfloat16_serving_from_the_file_gives_the_requested_number_of_vocabulary
         assert all(0 <= t < VOCAB for t in runner.tokens[i]), runner.tokens[i]
 
 
-@pytest.mark.xfail(strict=True, raises=GgufLoadError,
-                   reason="bug: attach_quantized_weights compares a llama file's attn_q/attn_k rows as llama.cpp "
-                          "permuted them with transformers' unpermuted weights, and refuses the file")
-def test_a_llama_file_with_quantized_q_and_k_projections_is_served_as_transformers_greedy(tmp_path_factory):
-    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf-qk") / "tiny.gguf")  # DEFAULT_TYPES: q/k/v in Q8_0
-    engine = engine_for(path, "float32")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    runner = serve(engine)
-    for i, prompt in enumerate(PROMPTS):
-        assert_matches(runner, i, hf_greedy(model, dict(tokenizer(prompt, return_tensors="pt")), N), atol=1e-4)
-    native = "+native" if grouped_native_available() else ""
-    assert engine.linear_plan.kernels["model.layers.0.self_attn.q_proj"] == f"fused(int8-grouped(gguf Q8_0){native})"
+def test_a_prompt_with_a_token_id_past_the_embedding_is_refused_naming_the_request(engine_f32):
+    from tgi_vlm.errors import InvalidBatch
+    from tgi_vlm.testing.harness import make_batch
 
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: transformers' GGUF byte-level tokenizer adds GPT-2's <|endoftext|> after the file's "
-                          "tokens (id 659 of a 659-row embedding); a prompt holding that text makes the step raise "
-                          "IndexError in QuantizedEmbedding")
-def test_every_id_the_served_tokenizer_gives_is_a_row_of_the_files_embedding(engine_f32):
-    assert max(engine_f32.tokenizer.get_vocab().values()) < engine_f32.vocab_size == VOCAB
+    assert max(engine_f32.tokenizer.get_vocab().values()) == VOCAB  # transformers' GGUF tokenizer adds one id
+    bad = make_request(7, "hello <|endoftext|> world", max_new_tokens=2)
+    with pytest.raises(InvalidBatch, match=rf"request 7: token id {VOCAB} is outside the model's {VOCAB}-token "
+                                           r"vocabulary") as refused:
+        engine_f32.batch_from_pb(make_batch(3, [make_request(1, "hello world", max_new_tokens=2), bad]))
+    assert "request 1" not in str(refused.value)
+    runner = Runner(engine_f32)  # the shard keeps serving
+    runner.prefill([make_request(1, "hello world", max_new_tokens=2)])
+    runner.run()
+    assert len(runner.tokens[1]) == 2 and engine_f32.kv_blocks_in_use == 0

@@ -3,8 +3,8 @@ file of tgi_vlm/testing/tiny_gguf.py, written offline, and broken copies of it.
 
 - a file cut short (in its header, its metadata, a tensor's data, the last tensor's last bytes): `GgufFile.reader()`
   raises `GgufLoadError` naming the file. Served with `get_model`, transformers reads the file first and its own
-  error (no file named) comes out: marked xfail(strict), it XPASSes (failing the run, so the marker comes off)
-  once `get_model` refuses with `GgufLoadError` naming the file and the tensor cut short;
+  error (no file named) came out until `get_model` checked the file first (`GgufFile.check`): it refuses with
+  `GgufLoadError` naming the file and the tensor cut short;
 - a linear stored in a type the shard cannot decode (MXFP4, which gguf writes and transformers loads):
   `get_model` refuses, naming the file, the tensor and the type;
 - a tensor whose decoded blocks differ from what transformers loaded for it (one value of the loaded weight moved
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import struct
 
 import numpy as np
 import pytest
@@ -83,9 +82,6 @@ def test_the_cut_in_the_last_tensor_leaves_its_padding_out_too(good, layout):
     assert start < end - 20 < end <= good.stat().st_size
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, struct.error),
-                   reason="limitation: get_model lets transformers read the file before the loader does, so a "
-                          "truncated file fails with transformers' error, which names neither file nor tensor")
 def test_serving_a_file_cut_short_in_its_last_tensor_is_refused_at_start_naming_the_file_and_tensor(good, layout,
                                                                                                      tmp_path):
     short = cut_copy(good, tmp_path / "cut" / "tiny.gguf", layout["last"][1] - 20)

@@ -30,6 +30,8 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     from tgi_vlm.quantization.gguf_file import GgufFile
 
     gguf_file = GgufFile.find(model_id)
+    if gguf_file is not None:
+        gguf_file.check()  # a truncated file is refused here, naming the tensor, not deep inside transformers
     source, gguf_args = gguf_file.pretrained_args() if gguf_file is not None else (model_id, {})
     backend = resolve_backend(config.attention, config.device)
     attn_name = register_paged_attention()  # one dispatcher; the backend object belongs to the model

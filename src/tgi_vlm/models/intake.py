@@ -70,6 +70,8 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
     ids, rid = prompt.ids, request.id
     stopping = request.stopping_parameters
     check_request(model, request, len(ids))
+    if prompt.mm is None:
+        check_token_ids(rid, ids, model.vocab_size)
     grammar = grammar_state(model, request)
     criteria = StoppingCriteria.from_params(stopping, model.eos_token_ids)
     if grammar is not None:
@@ -136,6 +138,16 @@ def check_request(model: FlashCausalLM, request: generate_pb2.Request, prompt_le
             f"{prompt_len} prompt tokens + max_new_tokens {stopping.max_new_tokens} exceed "
             f"max_total_tokens {model.max_total_tokens}",
         )
+
+
+def check_token_ids(rid: int, ids, rows: int) -> None:
+    """Every prompt id of a text request is a row of the embedding. A tokenizer can hold more ids than the model has
+    rows: transformers' GGUF byte-level tokenizer adds GPT-2's `<|endoftext|>` past a file's own tokens, so a prompt
+    with that text gets an id the model never learnt (VLMs' placeholder ids are replaced by features: not checked)."""
+    highest = max(ids) if len(ids) else 0
+    if highest >= rows:
+        raise InvalidRequest(rid, f"token id {highest} is outside the model's {rows}-token vocabulary (the tokenizer "
+                                  "holds ids the model does not: remove the special-token text from the prompt)")
 
 
 def check_slots(rid: int, slots: list[int], needed: int, prompt_len: int, max_new_tokens: int, num_slots: int) -> None:

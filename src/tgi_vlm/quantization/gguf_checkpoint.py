@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from loguru import logger
 
@@ -42,17 +43,37 @@ class AttachedWeights:
         return f"{len(self.types)} quantized tensors kept quantized ({kinds}){embed}; {self.quantized_bytes / 1e6:.1f} MB"
 
 
-def hf_names(model: torch.nn.Module, reader) -> dict[str, str]:
-    """GGUF tensor name -> the model's parameter name, by transformers' GGUF name mapping."""
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+def tensor_processor(model: torch.nn.Module, reader):
+    """transformers' GGUF tensor processor for the file's architecture (what it does to a tensor on load)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     arch = _field(reader, "general.architecture")
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+
+
+def hf_names(model: torch.nn.Module, processor) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, by transformers' GGUF name mapping."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
     return get_gguf_hf_weights_map(model, processor)
+
+
+def row_order(processor, tensor_name: str, rows: int) -> np.ndarray | None:
+    """The order transformers puts a tensor's rows in on load, where its processor moves whole rows (llama.cpp stores
+    a llama's q/k rows permuted per head for its rotary; transformers' processor undoes that): found by processing
+    the row numbers themselves. None where the rows stay as stored or the processor does something else (then the
+    equality check decides)."""
+    probe = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    try:
+        moved = np.asarray(processor.process(weights=probe, name=tensor_name).weights)
+    except Exception:  # noqa: BLE001 - a processor that expects real weights: no row order to read
+        return None
+    if moved.shape != probe.shape:
+        return None
+    order = moved.reshape(-1)
+    if np.array_equal(order, probe.reshape(-1)) or not np.array_equal(np.sort(order), probe.reshape(-1)):
+        return None
+    return order.astype(np.int64)
 
 
 def _field(reader, key: str):
@@ -65,7 +86,8 @@ def attach_quantized_weights(model: torch.nn.Module, gguf_file: GgufFile) -> Att
     what transformers loaded. Refuses, naming the file and tensor, a tensor type it cannot decode and a tensor whose
     decoded values differ from the loaded ones."""
     reader = gguf_file.reader()
-    names = hf_names(model, reader)
+    processor = tensor_processor(model, reader)
+    names = hf_names(model, processor)
     attached = AttachedWeights()
     modules = dict(model.named_modules())
     embedding = model.get_input_embeddings()
@@ -89,6 +111,9 @@ def attach_quantized_weights(model: torch.nn.Module, gguf_file: GgufFile) -> Att
             weight = decode_blocks(tensor.data, type_name, out_features, in_features, tensor=tensor.name)
         except UnsupportedBlocks as error:
             raise GgufLoadError(f"{gguf_file.path.name}: {error}") from error
+        order = row_order(processor, tensor.name, out_features)
+        if order is not None:  # whole rows move: exact on the codes, scales and offsets alike
+            weight = weight.rows_in_order(torch.from_numpy(order))
         _check_equal(weight, module.weight, where, param_name)
         shared[id(module.weight)] = weight
         attached.types[param_name.rsplit(".", 1)[0]] = type_name

@@ -41,6 +41,12 @@ class GroupedInt8Weight:
         parts = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def rows_in_order(self, order: torch.Tensor) -> GroupedInt8Weight:
+        """The same weight with its output rows taken in `order` (a permutation of the rows)."""
+        return GroupedInt8Weight(self.codes[order].contiguous(), self.scales[order].contiguous(),
+                                 None if self.offsets is None else self.offsets[order].contiguous(), self.group,
+                                 self.source)
+
     def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """The float32 weight `[out, in]` (or only `rows`: a 1-D index tensor or a slice of the outputs)."""
         codes, scales, offsets = self.codes, self.scales, self.offsets
