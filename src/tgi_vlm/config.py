@@ -159,6 +159,8 @@ class EngineConfig:
     kernels: KernelSettings = field(default_factory=KernelSettings)
     request_logprobs: bool = False
     speculate: int = 0  # draft tokens per decoding sequence and step (TGI's --speculate); 0 = off
+    # TGI's --quantize, as far as it applies here: None, or "eetq" (int8 weight-only per output channel, at load)
+    quantize: str | None = None
     # Tensor parallelism (serve --sharded): this process's rank of world_size; 1 = one unsharded shard.
     rank: int = 0
     world_size: int = 1

@@ -43,6 +43,11 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[choice.name]
     # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
     layout = plan_layout(hf_config, config.rank, config.world_size)
+    if config.quantize not in (None, "eetq"):
+        raise ValueError(f"quantize={config.quantize!r}: only 'eetq' (int8 weight-only per channel) is served")
+    if config.quantize and config.world_size > 1:
+        raise ValueError("--quantize with --num-shard > 1 is not supported: quantized weights are not split across "
+                         "ranks")
     if gguf_file is not None and config.world_size > 1:
         raise ValueError(f"{gguf_file.path.name}: a GGUF file is served on one shard (--num-shard 1); its quantized "
                          "weights are not split across ranks")
@@ -59,8 +64,14 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
 
 
 def _plan_linears(engine, config: EngineConfig):
-    """Every linear layer's kernel (layers/linear/plan.py): CPU kernels and lean layers on CPU, `torch` elsewhere."""
+    """Every linear layer's kernel (layers/linear/plan.py): CPU kernels and lean layers on CPU, `torch` elsewhere;
+    `--quantize eetq` first gives the language model's linears their int8 weights (quantization/int8.py)."""
     language_model = engine.find_language_model()
+    if config.quantize == "eetq":
+        from tgi_vlm.quantization.int8 import attach_int8_weights
+
+        logger.info("--quantize eetq: {} language-model linear layers int8 per output channel",
+                    attach_int8_weights(language_model))
     if config.device == "cpu":
         from tgi_vlm.layers.cpu import speed_up_for_cpu
 
