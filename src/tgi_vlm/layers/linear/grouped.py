@@ -8,8 +8,10 @@ slice is still in cache when torch multiplies by it) and multiplied by torch: th
 per 32 weights per row and runs out of FMA throughput long before torch's AMX / AVX-512 products do. Measured on a
 2-core Xeon, bf16 rows (ms, native / sliced): 4096 x 640 weight at 16 rows 0.53 / 0.58, 32 rows 1.08 / 0.71, 64
 rows 2.08 / 0.85; the 262,144 x 640 head at 16 rows 28.6 / 44.7, 32 rows 56.1 / 54.9, 64 rows 120.8 / 62.9.
-Without the native library (no AVX-512) every product takes the sliced path through torch's de-quantization:
-slower, never wrong.
+On a CPU with AMX, bf16 products of 12..32 rows run on AMX tiles inside the op (each 16 x 32 piece of the weight
+de-quantized to bf16 just before its tile product, as a bf16 model holds it): 4096 x 640 at 16 rows 0.34 ms, the
+head at 16 rows 22.8 ms. Without the native library (no AVX-512) every product takes the sliced path through
+torch's de-quantization: slower, never wrong.
 
 Sibling projections fuse (q/k/v, gate/up) when their groups agree: the codes, scales and offsets are concatenated
 along the outputs, which is exact (rows of W are independent).
