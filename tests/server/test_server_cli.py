@@ -75,7 +75,8 @@ def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags,
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--quantize", "awq"], {}, "--quantize awq is not supported"),
+        (["--quantize", "awq"], {}, "--quantize awq: AWQ checkpoints are not supported yet (supported: eetq"),
+        (["--quantize", "nf5"], {}, "--quantize nf5: not one of TGI's --quantize values"),
         (["--speculate", "-1"], {}, "--speculate -1 must be >= 0"),
         (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
         (["--lora-adapters", "a/b"], {}, "LoRA adapters (a/b) are not supported"),
@@ -231,3 +232,11 @@ def test_download_weights_offline_is_a_clear_error(monkeypatch):
     result = invoke("download-weights", "org/model")
     assert result.exit_code == 1
     assert "could not download 'org/model'" in result.output and "network is unreachable" in result.output
+
+
+def test_serve_takes_tgis_quantize_eetq_into_the_engine_config(served):
+    result = invoke("serve", "/models/m", "--quantize", "eetq")
+    assert result.exit_code == 0, result.output
+    assert [c.engine.quantize for c in served] == ["eetq"]
+    invoke("serve", "/models/m")
+    assert served[-1].engine.quantize is None
