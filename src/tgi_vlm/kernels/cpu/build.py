@@ -74,7 +74,7 @@ PORTABLE = LibrarySpec("portable", (Source("rotary_kv.c", SCALAR_FLAGS), Source(
                        headers=("bf16.h",))
 AVX512 = LibrarySpec("avx512", (Source("decode_attention.c", ATTENTION_FLAGS), Source("skinny_linear.c", LINEAR_FLAGS),
                                 Source("greedy.c", ATTENTION_FLAGS), Source("grouped_linear.c", GROUPED_FLAGS)),
-                     needs_cpu_flag="avx512f", needs_cpu_feature="AVX-512")
+                     headers=("amx.h",), needs_cpu_flag="avx512f", needs_cpu_feature="AVX-512")
 LIBRARIES = (PORTABLE, AVX512)
 
 

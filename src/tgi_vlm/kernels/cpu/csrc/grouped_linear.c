@@ -206,22 +206,7 @@ static void block(int R, const float* x, int dtype, int64_t r0, int64_t in, cons
    over all inputs (k in order) and rounded to bf16 once. */
 #define AMX_MIN_ROWS 12 /* fewer rows: the FMA loop is faster (4096 x 640, 4 rows: 0.14 vs 0.33 ms; AMX ~flat to 32 rows) */
 #define AMX_MAX_ROWS 32
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
+#include "amx.h"
 
 static void configure_tiles(void) {
     tile_config config;

@@ -264,22 +264,7 @@ int tgi_vlm_skinny_linear_bf16(const uint16_t* x, int64_t rows, int64_t k, const
    zero), k in order: not oneDNN's order, within float32 rounding of it. */
 #define AMX_TILE_ROWS 16
 #define AMX_MAX_ROWS 512 /* rows past one tile: loops of 16-row tiles over the cached pair */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
+#include "amx.h"
 
 static void configure_tiles(int rows) {
     tile_config config;
