@@ -114,6 +114,7 @@ def attach_quantized_weights(model: torch.nn.Module, gguf_file: GgufFile) -> Att
         order = row_order(processor, tensor.name, out_features)
         if order is not None:  # whole rows move: exact on the codes, scales and offsets alike
             weight = weight.rows_in_order(torch.from_numpy(order))
+        weight = weight.to(module.weight.device)  # where the model is (a GPU: computed there by torch's ops)
         _check_equal(weight, module.weight, where, param_name)
         shared[id(module.weight)] = weight
         attached.types[param_name.rsplit(".", 1)[0]] = type_name
@@ -128,10 +129,10 @@ def _check_equal(weight: GroupedInt8Weight, loaded: torch.Tensor, where: str, pa
     rows = loaded.shape[0]
     step = max(1, (1 << 24) // max(1, loaded.shape[1]))  # ~16M values at a time
     for start in range(0, rows, step):
-        index = torch.arange(start, min(rows, start + step))
-        if not torch.equal(weight.dequantize(rows=index).to(loaded.dtype), loaded[start:start + step]):
+        part = slice(start, min(rows, start + step))
+        if not torch.equal(weight.dequantize(rows=part).to(loaded.dtype), loaded[part]):
             raise GgufLoadError(f"{where}: its {weight.source} blocks decode to other values than transformers "
-                                f"loaded for {param_name} (rows {start}..{start + len(index) - 1}); not served "
+                                f"loaded for {param_name} (rows {part.start}..{part.stop - 1}); not served "
                                 "quantized rather than served wrong")
 
 

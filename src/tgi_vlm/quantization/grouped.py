@@ -41,6 +41,13 @@ class GroupedInt8Weight:
         parts = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def to(self, device: torch.device | str) -> GroupedInt8Weight:
+        """The same weight on `device` (itself where it is there already)."""
+        if self.codes.device == torch.device(device):
+            return self
+        return GroupedInt8Weight(self.codes.to(device), self.scales.to(device),
+                                 None if self.offsets is None else self.offsets.to(device), self.group, self.source)
+
     def rows_in_order(self, order: torch.Tensor) -> GroupedInt8Weight:
         """The same weight with its output rows taken in `order` (a permutation of the rows)."""
         return GroupedInt8Weight(self.codes[order].contiguous(), self.scales[order].contiguous(),
