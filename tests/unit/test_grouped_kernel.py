@@ -122,3 +122,19 @@ def test_the_weights_bytes_count_a_shared_quantized_table_once_and_placeholders_
     model.head = quantized_layer(table)
     plan_linears(model, PlanOptions(cpu=True))
     assert weight_bytes(model) == 50 * 32 + 50 * 1 * 4  # codes, one float32 scale per row of 32
+
+
+def test_a_quantized_layers_placeholder_does_not_count_as_weights_a_second_copy_would_double():
+    from tgi_vlm.layers.cpu import decode_copies_fit
+
+    huge = torch.nn.Linear(1 << 14, 1 << 20, bias=False, device="meta")  # a 64 GiB float32 weight, were it real
+    small = torch.nn.Linear(64, 64)
+    assert decode_copies_fit(torch.nn.Sequential(small, huge)) == decode_copies_fit(torch.nn.Sequential(small))
+
+
+def test_de_quantizing_to_a_dtype_it_does_not_write_is_refused_saying_so():
+    from tgi_vlm.kernels.cpu import ops
+
+    weight = grouped(16, 64)
+    with pytest.raises(ValueError, match="dtype must be float32 or bfloat16, got torch.float16"):
+        ops.grouped_int8_dequantize(weight.codes, weight.scales, None, 32, torch.float16)

@@ -71,12 +71,13 @@ def release_openmp_threads() -> bool:
     when the model is loaded; a later region there would make a new pool (nothing does). Returns whether it ran."""
     path = next((line.split()[-1] for line in _maps() if "libgomp" in line.split()[-1]), None)
     try:
-        gomp = ctypes.CDLL(path or "libgomp.so.1")
-        done = gomp.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0
+        status = ctypes.CDLL(path or "libgomp.so.1").omp_pause_resource_all(_OMP_PAUSE_SOFT)
     except (OSError, AttributeError):  # no libgomp in this process (another OpenMP runtime, or none)
-        done = False
-    logger.info("OpenMP: the loading thread's worker threads {}", "released" if done else "not released (no libgomp)")
-    return done
+        logger.info("OpenMP: the loading thread's worker threads not released (no libgomp)")
+        return False
+    logger.info("OpenMP: the loading thread's worker threads {}",
+                "released" if status == 0 else f"not released (omp_pause_resource_all returned {status})")
+    return status == 0
 
 
 def _maps() -> list[str]:
@@ -105,7 +106,8 @@ def decode_copies_fit(model: torch.nn.Module) -> bool:
     1/16 of the memory this process may use, so a second copy is cheap. (bf16 counts since the tied head needs it:
     Gemma 3 270M's 262,144 x 640 head, one bf16 row, F.linear 23.2 ms vs the packed copy 15.6 ms on the AMX host.)"""
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                       if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.float32, torch.bfloat16))
+                       if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.float32, torch.bfloat16)
+                       and not m.weight.is_meta)  # a quantized layer's placeholder: its kernel holds int8 codes
     memory = _usable_memory()
     return memory is not None and 0 < weight_bytes <= memory // 16
 

@@ -143,7 +143,9 @@ def check_request(model: FlashCausalLM, request: generate_pb2.Request, prompt_le
 def check_token_ids(rid: int, ids, rows: int) -> None:
     """Every prompt id of a text request is a row of the embedding. A tokenizer can hold more ids than the model has
     rows: transformers' GGUF byte-level tokenizer adds GPT-2's `<|endoftext|>` past a file's own tokens, so a prompt
-    with that text gets an id the model never learnt (VLMs' placeholder ids are replaced by features: not checked)."""
+    with that text gets an id the model never learnt. Requests with media are not checked (their placeholder ids are
+    replaced by features); a VLM's text-only request is (an id past the text vocabulary was clamped before and
+    served a wrong row)."""
     highest = max(ids) if len(ids) else 0
     if highest >= rows:
         raise InvalidRequest(rid, f"token id {highest} is outside the model's {rows}-token vocabulary (the tokenizer "

@@ -102,7 +102,7 @@ def attach_quantized_weights(model: torch.nn.Module, gguf_file: GgufFile) -> Att
                                 f"{', '.join(BLOCKS)}, {', '.join(_PLAIN_TYPES)})")
         param_name = names.get(tensor.name)
         module = modules.get(param_name.rsplit(".", 1)[0]) if param_name and param_name.endswith(".weight") else None
-        if module is None or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        if module is None or type(module) is not torch.nn.Linear and not isinstance(module, torch.nn.Embedding):
             logger.warning("{}: {} kept de-quantized (not a linear layer's or the embedding's weight)", where,
                            param_name)
             continue
@@ -146,7 +146,7 @@ def _hand_over(model: torch.nn.Module, modules: dict[str, torch.nn.Module], embe
         model.set_input_embeddings(QuantizedEmbedding.replacing(embedding, tables[id(embedding.weight)]))
         attached.embedding = tables[id(embedding.weight)].source
     for name, module in modules.items():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) in tables:
+        if type(module) is torch.nn.Linear and id(module.weight) in tables:  # exactly the class the plan gives kernels
             module.quantized_weight = tables[id(module.weight)]
             attached.types.setdefault(name, module.quantized_weight.source.split()[-1])
             module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,

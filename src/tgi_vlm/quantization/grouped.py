@@ -21,7 +21,7 @@ class GroupedInt8Weight:
     codes: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out, in // group] float32
     offsets: torch.Tensor | None  # [out, in // group] float32, subtracted; None: symmetric codes
-    group: int  # inputs per scale: 16 or 32 here, a multiple of 16 for the native kernel
+    group: int  # inputs per scale: 16 or 32 (GGUF blocks), the whole row (--quantize eetq); the native kernel: x16
     source: str  # where it came from, for the plan's log: "gguf Q5_0"
 
     def __post_init__(self):

@@ -548,7 +548,9 @@ def grouped_int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: 
                             dtype: torch.dtype) -> torch.Tensor:
     """The weight `grouped_int8_linear` multiplies by, `[out, in]` in `dtype` (float32: bit for bit
     `GroupedInt8Weight.dequantize`; bfloat16: that, rounded once)."""
-    probe = torch.empty(1, codes.shape[1] if codes.dim() == 2 else 0, dtype=dtype)
+    if dtype not in _DTYPE_CODES:
+        _refuse("grouped_int8_dequantize", f"dtype must be float32 or bfloat16, got {dtype}")
+    probe = torch.empty(1, codes.shape[1] if codes.dim() == 2 else 0, dtype=dtype)  # the weight's checks, as x's
     _refuse("grouped_int8_dequantize", _grouped_problem(probe, codes, scales, offsets, group))
     lib = _loaded("grouped_int8_dequantize")
     out = torch.empty(codes.shape, dtype=dtype)

@@ -13,6 +13,12 @@ de-quantized to bf16 just before its tile product, as a bf16 model holds it): 40
 head at 16 rows 22.8 ms. Without the native library (no AVX-512) every product takes the sliced path through
 torch's de-quantization: slower, never wrong.
 
+bf16 inputs therefore meet the weight at two precisions, by row count: below 12 rows (the FMA loop) the format's
+exact float32 weight, at 12..32 rows (AMX) and above 32 (sliced, torch's bf16 product) the weight rounded to bf16, as
+transformers' bf16 model of the de-quantized checkpoint holds it. A request's bf16 logits can so move by a bf16
+rounding with the size of the batch it decodes in (float32 inputs: exact weights on every path). The bias is added
+after the native product (in bf16: a second rounding).
+
 Sibling projections fuse (q/k/v, gate/up) when their groups agree: the codes, scales and offsets are concatenated
 along the outputs, which is exact (rows of W are independent).
 """

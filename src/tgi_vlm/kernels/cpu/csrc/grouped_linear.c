@@ -9,9 +9,10 @@
    codes (`_weight_int4pack_mm_for_cpu`); neither holds a 5-, 6- or 8-bit code with a scale per 16 or 32 inputs
    exactly, which is what these files carry.
 
-   Sums: per group, the products x * code in float32 (k order within 16-wide lanes), times the group's scale, added
-   into a float32 accumulator per lane; lanes added at the end; the offsets' term (sum over groups of offset times
-   the group's sum of x) subtracted last. Not F.linear's order: within float32 rounding of the exact sum.
+   Sums, float32 in 16 lanes, lanes added at the end; not F.linear's order, within float32 rounding of the exact sum:
+   1-2 rows: per group x * code, times the group's scale; 3+ rows: x * (scale * code), the weight's exact float32
+   value; the offsets' term (sum over groups of offset times the group's sum of x) subtracted last. bf16 x of 12..32
+   rows on AMX: the weight (offsets folded in) rounded to bf16 first (see amx_grouped).
 
    Work: blocks of OUT_BLOCK outputs shared out by OpenMP over the thread pool torch uses; in a block, tiles of up
    to ROW_TILE rows; in a tile, each output's codes are converted to float32 once per 16 inputs and used for every
