@@ -69,23 +69,14 @@ def release_openmp_threads() -> bool:
     thread and 6.0 ms on another thread once the main thread had run one parallel region, 1.5 ms again after this
     call; a Gemma 3 270M decode step 25.3 ms on the loading thread, 34.8 on another. Called on the loading thread
     when the model is loaded; a later region there would make a new pool (nothing does). Returns whether it ran."""
-    path = next((line.split()[-1] for line in _maps() if "libgomp" in line.split()[-1]), None)
     try:
-        status = ctypes.CDLL(path or "libgomp.so.1").omp_pause_resource_all(_OMP_PAUSE_SOFT)
+        status = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(_OMP_PAUSE_SOFT)
     except (OSError, AttributeError):  # no libgomp in this process (another OpenMP runtime, or none)
         logger.info("OpenMP: the loading thread's worker threads not released (no libgomp)")
         return False
     logger.info("OpenMP: the loading thread's worker threads {}",
                 "released" if status == 0 else f"not released (omp_pause_resource_all returned {status})")
     return status == 0
-
-
-def _maps() -> list[str]:
-    try:
-        with open("/proc/self/maps") as maps:
-            return maps.readlines()
-    except OSError:
-        return []
 
 
 def size_kernel_cache() -> None:

@@ -148,6 +148,5 @@ def _hand_over(model: torch.nn.Module, modules: dict[str, torch.nn.Module], embe
     for name, module in modules.items():
         if type(module) is torch.nn.Linear and id(module.weight) in tables:  # exactly the class the plan gives kernels
             module.quantized_weight = tables[id(module.weight)]
-            attached.types.setdefault(name, module.quantized_weight.source.split()[-1])
             module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
                                                            device="meta"), requires_grad=False)

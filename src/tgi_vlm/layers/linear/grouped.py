@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tgi_vlm.kernels.cpu import ops
 from tgi_vlm.layers.linear.kernels import LinearKernel, PlainWeights
 from tgi_vlm.quantization.grouped import GroupedInt8Weight
 
@@ -65,8 +66,6 @@ class GroupedInt8Linear(LinearKernel):
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
         if self.native and 1 <= rows <= NATIVE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-            from tgi_vlm.kernels.cpu import ops
-
             w = self.weight
             out = ops.grouped_int8_linear(flat.contiguous(), w.codes, w.scales, w.offsets, w.group)
             if self.bias is not None:
@@ -82,8 +81,6 @@ class GroupedInt8Linear(LinearKernel):
         for start in range(0, self.out_features, step):
             part = slice(start, start + step)
             if self.native and flat.dtype in (torch.float32, torch.bfloat16):
-                from tgi_vlm.kernels.cpu import ops
-
                 dense = ops.grouped_int8_dequantize(w.codes[part], w.scales[part],
                                                     None if w.offsets is None else w.offsets[part], w.group, flat.dtype)
             else:

@@ -120,7 +120,7 @@ ALWAYS_INLINE void dot_rows_scaled(const int R, const int NO, const float* x, in
                : dot_rows_scaled(R_, NO_, x, in, codes + o * in, scales + o * groups, groups, group, res))
 static void outputs(int R, int NO, const float* x, int64_t in, const int8_t* codes, const float* scales,
                     int64_t groups, int64_t group, int64_t o, float* res) {
-    if (NO == 4) {
+    if (NO == 4) { /* 1..4 rows */
         switch (R) { /* literal R and NO: dot_rows unrolls and keeps its accumulators in registers */
             case 4: DOT(4, 4); return;
             case 3: DOT(3, 4); return;
@@ -128,19 +128,15 @@ static void outputs(int R, int NO, const float* x, int64_t in, const int8_t* cod
             default: DOT(1, 4); return;
         }
     }
-    if (NO == 2) {
+    if (NO == 2) { /* block() takes two outputs at a time only for 5..8 rows */
         switch (R) {
             case 8: DOT(8, 2); return;
             case 7: DOT(7, 2); return;
             case 6: DOT(6, 2); return;
-            case 5: DOT(5, 2); return;
-            case 4: DOT(4, 2); return;
-            case 3: DOT(3, 2); return;
-            case 2: DOT(2, 2); return;
-            default: DOT(1, 2); return;
+            default: DOT(5, 2); return;
         }
     }
-    switch (R) {
+    switch (R) { /* one output: a block's last outputs when fewer than NO are left */
         case 8: DOT(8, 1); return;
         case 7: DOT(7, 1); return;
         case 6: DOT(6, 1); return;
