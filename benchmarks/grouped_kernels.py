@@ -52,8 +52,8 @@ def main() -> None:
         scales = torch.rand(out, in_features // 32) * 0.01
         for rows in ROWS:
             x = torch.randn(rows, in_features).bfloat16()
-            native = best_ms(lambda: ops.grouped_int8_linear(x, codes, scales, None, 32))
-            dense = best_ms(lambda: sliced(x, codes, scales))
+            native = best_ms(lambda x=x, c=codes, s=scales: ops.grouped_int8_linear(x, c, s, None, 32))
+            dense = best_ms(lambda x=x, c=codes, s=scales: sliced(x, c, s))
             rows_out.append(dict(out=out, inp=in_features, rows=rows, native_ms=native, sliced_ms=dense))
             print(out, in_features, rows, f"native {native:.2f} sliced {dense:.2f}", flush=True)
     result = dict(machine=machine(), rows=rows_out)

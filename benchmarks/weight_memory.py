@@ -34,8 +34,8 @@ print(json.dumps(dict(at_load=at_load, served=weight_bytes(engine.model), rss=ps
 
 
 def main() -> None:
-    from tgi_vlm.testing.real_models import gemma3_270m_dir, gemma3_270m_gguf
     from tgi_vlm.testing.machine import machine
+    from tgi_vlm.testing.real_models import gemma3_270m_dir, gemma3_270m_gguf
 
     gguf, directory = gemma3_270m_gguf(), gemma3_270m_dir()
     cases = [("the GGUF file", gguf, "bfloat16", ""), ("de-quantized directory, bf16", directory, "bfloat16", ""),

@@ -145,7 +145,7 @@ def _hand_over(model: torch.nn.Module, modules: dict[str, torch.nn.Module], embe
     if isinstance(embedding, torch.nn.Embedding) and id(embedding.weight) in tables:
         model.set_input_embeddings(QuantizedEmbedding.replacing(embedding, tables[id(embedding.weight)]))
         attached.embedding = tables[id(embedding.weight)].source
-    for name, module in modules.items():
+    for module in modules.values():
         if type(module) is torch.nn.Linear and id(module.weight) in tables:  # exactly the class the plan gives kernels
             module.quantized_weight = tables[id(module.weight)]
             module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
