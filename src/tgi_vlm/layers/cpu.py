@@ -65,9 +65,9 @@ def release_openmp_threads() -> bool:
     The shard loads its model on the main thread and runs it on its model thread (server/service.py). libgomp keeps
     a worker pool for each thread that ran a parallel region, and once the pools' threads outnumber the CPUs it stops
     spinning between regions (its throttled spin: ~100 spins), so every parallel region of the model thread waits
-    for sleeping workers to wake. On 2 cores, 72 small torch ops (gelu of 16 x 4096 bf16) took 1.5 ms on the main
-    thread and 6.0 ms on another thread once the main thread had run one parallel region, 1.5 ms again after this
-    call; a Gemma 3 270M decode step 25.3 ms on the loading thread, 34.8 on another. Called on the loading thread
+    for sleeping workers to wake. On 2 cores, 72 small torch ops (gelu of 16 x 4096 bf16) took 1.56 ms on the main
+    thread and 6.38 ms on another thread once the main thread had run one parallel region, 1.59 ms after this call
+    (benchmarks/openmp_threads.py, results/openmp_threads.md); a Gemma 3 270M decode step 25.3 ms on the loading thread, 34.8 on another. Called on the loading thread
     when the model is loaded; a later region there would make a new pool (nothing does). Returns whether it ran."""
     try:
         status = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all(_OMP_PAUSE_SOFT)

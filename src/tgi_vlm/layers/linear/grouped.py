@@ -5,12 +5,12 @@ int8 weight) and multiplies with the native op `tgi_vlm::grouped_int8_linear` fo
 (decode steps, the lm-head's last rows), where the codes stream from memory once per product. Above that (prefill
 chunks) the weight is de-quantized to the input's dtype a slice of outputs at a time (`DENSE_SLICE_VALUES`, so each
 slice is still in cache when torch multiplies by it) and multiplied by torch: the native loop does two float32 FMAs
-per 32 weights per row and runs out of FMA throughput long before torch's AMX / AVX-512 products do. Measured on a
-2-core Xeon, bf16 rows (ms, native / sliced): 4096 x 640 weight at 16 rows 0.53 / 0.58, 32 rows 1.08 / 0.71, 64
-rows 2.08 / 0.85; the 262,144 x 640 head at 16 rows 28.6 / 44.7, 32 rows 56.1 / 54.9, 64 rows 120.8 / 62.9.
+per 32 weights per row and runs out of FMA throughput long before torch's AMX / AVX-512 products do.
+benchmarks/grouped_kernels.py on a 2-core Xeon with AMX, bf16 rows (ms, native / sliced): a 4096 x 640 weight at 16
+rows 0.35 / 0.67, 32 rows 0.37 / 0.69, 64 rows 2.26 / 0.82; the 262,144 x 640 head at 16 rows 22.6 / 42.4, 32 rows
+25.0 / 58.0, 64 rows 149.4 / 72.8 (results/grouped_kernels.md).
 On a CPU with AMX, bf16 products of 12..32 rows run on AMX tiles inside the op (each 16 x 32 piece of the weight
-de-quantized to bf16 just before its tile product, as a bf16 model holds it): 4096 x 640 at 16 rows 0.34 ms, the
-head at 16 rows 22.8 ms. Without the native library (no AVX-512) every product takes the sliced path through
+de-quantized to bf16 just before its tile product, as a bf16 model holds it): the figures above. Without the native library (no AVX-512) every product takes the sliced path through
 torch's de-quantization: slower, never wrong.
 
 bf16 inputs therefore meet the weight at two precisions, by row count: below 12 rows (the FMA loop) the format's
