@@ -100,10 +100,38 @@ def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to
         lean_run = run(lean, requests)
     plain_run = run(plain_engine, requests)
     assert calls[f"tgi_vlm::{norm_op}"], "the native norm did not run"
-    if arch == "gemma3":  # 6 norms a layer (4 around the blocks, q and k), one rotary + store a layer
-        assert calls["tgi_vlm::gemma_rms_norm"] == 6 * calls["tgi_vlm::rotary_and_store"] > 0
+    if arch == "gemma3":  # 6 norms a layer: the input and pre-feedforward ones, q and k, and the two sandwich norms
+        # that end the blocks, each with its residual add (gemma_rms_norm_add); one rotary + store a layer
+        assert calls["tgi_vlm::gemma_rms_norm"] == 4 * calls["tgi_vlm::rotary_and_store"] > 0
+        assert calls["tgi_vlm::gemma_rms_norm_add"] == 2 * calls["tgi_vlm::rotary_and_store"]
+        assert calls["tgi_vlm::decode_attention"] > 0  # decode steps through the per-step plan's direct call
     assert dict(lean_run.tokens) == dict(plain_run.tokens)
     for rid, rows in plain_run.logits.items():
         assert len(lean_run.logits[rid]) == len(rows)
         for mine, theirs in zip(lean_run.logits[rid], rows):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-4)
+
+
+@needs("gemma_rms_norm_add")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma3_per_step_plan_is_the_ops_path_bit_for_bit(dtype, monkeypatch):
+    """Gemma 3's layers on the per-step plan (layers/gemma3_native_step.py: the same C calls, checked once a step,
+    the sandwich norms fused with their residual adds) against the same kernels called op by op with their checks:
+    equal logits, bit for bit, over prefills beside decode rows and decode-only steps (through decode_attention)."""
+    from tgi_vlm.layers import gemma3_native_step
+
+    require("gemma_rms_norm_add")
+    direct_decodes = []
+    attend = gemma3_native_step._decode_attention
+    monkeypatch.setattr(gemma3_native_step, "_decode_attention",
+                        lambda *args: direct_decodes.append(1) or attend(*args))
+    runs = []
+    for planned in (True, False):
+        monkeypatch.setattr(gemma3_native_step, "ENABLED", planned)
+        direct_decodes.clear()
+        engine = lean_engine("gemma3", KernelSettings(native_norm=True), dtype=dtype)
+        with op_calls() as calls:
+            runs.append(run(engine, "gemma3"))
+        assert bool(calls["tgi_vlm::gemma_rms_norm_add"]) == planned  # the plan ran, or only the ops did
+        assert bool(direct_decodes) == planned  # decode-only steps took the plan's own attention call
+    assert_identical_runs(*runs)

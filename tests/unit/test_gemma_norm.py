@@ -83,3 +83,42 @@ def test_an_output_overlapping_the_input_other_than_exactly_is_refused():
         ops.gemma_rms_norm(x, torch.ones(16), 1e-6, shifted)
     with pytest.raises(ValueError, match=re.escape("out (4, 2, 8)")):
         ops.gemma_rms_norm(x, torch.ones(16), 1e-6, torch.empty(4, 2, 8))
+
+
+@needs("gemma_rms_norm_add")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_norm_add_is_the_residual_plus_the_modules_norm_rounded_as_transformers_rounds_it(dtype, in_place):
+    """`residual + norm(x)` as the layer computes it (the norm rounded to the dtype, then the sum): equal to torch's
+    add of the native norm (the same roundings), and within one ulp of the module's own norm plus the residual."""
+    require("gemma_rms_norm_add")
+    norm = module(640, dtype, seed=4)
+    x = (torch.randn(3, 640, generator=torch.Generator().manual_seed(5)) * 7).to(dtype)
+    residual = (torch.randn(3, 640, generator=torch.Generator().manual_seed(6)) * 2).to(dtype)
+    normed = torch.empty_like(x)
+    ops.gemma_rms_norm(x.view(3, 1, 640), norm.weight, norm.eps, normed.view(3, 1, 640))
+    same_roundings = residual + normed
+    transformers_sum = residual + norm(x)
+    out = residual.clone() if in_place else torch.empty_like(x)
+    ops.gemma_rms_norm_add(x, norm.weight, norm.eps, out if in_place else residual, out)
+    assert torch.equal(out, same_roundings)
+    assert ulps_apart(out, transformers_sum) <= (4 if dtype == torch.float32 else 1)
+    assert not torch.equal(out, residual)
+
+
+@pytest.mark.parametrize("make,problem", [
+    (lambda: (torch.randn(3, 16).t(), torch.ones(3), torch.randn(16, 3), torch.empty(16, 3)), "must be contiguous"),
+    (lambda: (torch.randn(3, 16), torch.ones(16), torch.randn(3, 8), torch.empty(3, 16)), "residual (3, 8)"),
+    (lambda: (torch.randn(3, 16), torch.ones(16), torch.randn(3, 16), torch.empty(3, 16).bfloat16()), "out (3, 16)"),
+    (lambda: (torch.randn(3, 16), torch.ones(8), torch.randn(3, 16), torch.empty(3, 16)), "weight (8,)"),
+])
+def test_norm_add_refuses_what_its_c_loop_cannot_address(make, problem):
+    x, weight, residual, out = make()
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ops.gemma_rms_norm_add(x, weight, 1e-6, residual, out)
+
+
+def test_norm_add_refuses_an_output_over_its_input():
+    x = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        ops.gemma_rms_norm_add(x, torch.ones(16), 1e-6, torch.randn(3, 16), x)

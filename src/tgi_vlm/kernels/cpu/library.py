@@ -42,6 +42,8 @@ class PortableLibrary:
         self.rms_norm = _bind(library, "tgi_vlm_rms_norm", [_INT, _P, _I64, _P, _P, _I64, _I64, _I64, _FLOAT, _INT])
         self.gemma_rms_norm = _bind(library, "tgi_vlm_gemma_rms_norm",
                                     [_INT, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _FLOAT, _INT])
+        self.gemma_rms_norm_add = _bind(library, "tgi_vlm_gemma_rms_norm_add",
+                                        [_INT, _P, _P, _P, _P, _I64, _I64, _FLOAT, _INT])
 
 
 class Avx512Library:
@@ -74,6 +76,7 @@ class Avx512Library:
 
 # Which library holds each op (ops.py registers them as tgi_vlm::<name>).
 OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "gemma_rms_norm": "portable",
+              "gemma_rms_norm_add": "portable",
               "decode_attention": "avx512",
               "skinny_linear": "avx512", "skinny_linear_bf16": "avx512", "greedy_logsumexp": "avx512",
               "grouped_int8_linear": "avx512", "grouped_int8_dequantize": "avx512"}

@@ -82,10 +82,13 @@ class AttentionMetadata:
     backend: AttentionBackend | None = None
     backend_state: object | None = None
     _masks: dict = field(default_factory=dict, repr=False)
+    # What layer code computes once per step and shares across layers (layers/gemma3_native_step.py), by its key.
+    layer_state: dict = field(default_factory=dict, repr=False)
 
     def clear_masks(self) -> None:
         """Forget cached masks (static graph inputs are refilled in place between runs)."""
         self._masks.clear()
+        self.layer_state.clear()
 
     def decode_mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_kv] bool: True where the decode query may attend."""

@@ -111,3 +111,40 @@ int tgi_vlm_gemma_rms_norm(int dtype, const void* x, int64_t x_token_stride, con
     }
     return 0;
 }
+
+/* A Gemma 3 sandwich norm and its residual add in one pass: out[t] = residual[t] + gemma_norm(x[t]), the norm rounded
+   to the dtype first and the sum rounded again, as transformers' `residual + post_norm(x)` of two tensors in the
+   dtype rounds them (bfloat16: the float sum of the two bf16 values, rounded once; float32: one float sum). Rows are
+   contiguous: x, residual and out [T, H]. `out` may be `residual` (each element read before it is written) but must
+   not overlap x otherwise. Returns 0, or -1 for an unknown dtype. */
+static void gemma_add_row_f32(const float* x, const float* weight, const float* residual, float* out, int64_t H,
+                              float eps) {
+    SUM_OF_SQUARES(x, H, AS_FLOAT)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[i] = residual[i] + (x[i] * inv) * (1.0f + weight[i]);
+}
+
+static void gemma_add_row_bf16(const uint16_t* x, const uint16_t* weight, const uint16_t* residual, uint16_t* out,
+                               int64_t H, float eps) {
+    SUM_OF_SQUARES(x, H, bf16_to_f32)
+    const float inv = 1.0f / sqrtf((float)(squares / (double)H) + eps);
+    for (int64_t i = 0; i < H; ++i) {
+        const float normed = bf16_to_f32(f32_to_bf16((bf16_to_f32(x[i]) * inv) * (1.0f + bf16_to_f32(weight[i]))));
+        out[i] = f32_to_bf16(bf16_to_f32(residual[i]) + normed);
+    }
+}
+
+int tgi_vlm_gemma_rms_norm_add(int dtype, const void* x, const void* weight, const void* residual, void* out,
+                               int64_t T, int64_t H, float eps, int num_threads) {
+    if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return -1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * H >= 65536)
+    for (int64_t t = 0; t < T; ++t) {
+        if (dtype == DTYPE_FLOAT32)
+            gemma_add_row_f32((const float*)x + t * H, (const float*)weight, (const float*)residual + t * H,
+                              (float*)out + t * H, H, eps);
+        else
+            gemma_add_row_bf16((const uint16_t*)x + t * H, (const uint16_t*)weight, (const uint16_t*)residual + t * H,
+                               (uint16_t*)out + t * H, H, eps);
+    }
+    return 0;
+}
