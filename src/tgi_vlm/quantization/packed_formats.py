@@ -17,7 +17,8 @@ symmetric) and a float16/bfloat16 scale s per group g of inputs; they differ in 
 The integers become int8 codes q - z with the scale kept (float32, exact from float16 / bfloat16), no offset: so
 `dequantize` computes s * (q - z) in one float32 product, which for a 16-bit scale and codes of at most 9 bits is
 exact, the format's value itself. Where q - z does not fit int8 (8-bit asymmetric codes) the codes are
-q - 2^(bits-1) with offset (z - 2^(bits-1)) * s (exact for 16-bit scales too). Every shape is checked against the
+q - 2^(bits-1) with offset (z - 2^(bits-1)) * s (exact for 16-bit scales too; float32 scales: within one float32
+rounding, two products instead of one). Every shape is checked against the
 layer and the config; a mismatch is refused naming the file and tensor.
 """
 
@@ -72,8 +73,9 @@ def unpack_along_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def grouped_weight(q: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, group: int, bits: int,
-                   source: str, input_order: torch.Tensor | None = None) -> GroupedInt8Weight:
-    """q [out, in] and zeros [out, groups] (integers, None: 0), scales [out, groups] -> W = s * (q - z) as codes."""
+                   source: str, input_order: torch.Tensor | None = None, *, signed: bool = False) -> GroupedInt8Weight:
+    """q [out, in] and zeros [out, groups] (integers, None: 0; `signed`: both in -2^(bits-1)..2^(bits-1)-1, else
+    0..2^bits-1), scales [out, groups] -> W = s * (q - z) as codes."""
     scales = scales.to(torch.float32).contiguous()
     q = q.to(torch.int32)
     if zeros is None:
@@ -82,7 +84,7 @@ def grouped_weight(q: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Te
     diff = q - zeros.repeat_interleave(group, dim=1)
     if int(diff.min()) >= -128 and int(diff.max()) <= 127:
         return GroupedInt8Weight(diff.to(torch.int8).contiguous(), scales, None, group, source, input_order)
-    center = 1 << (bits - 1)  # 8-bit asymmetric: q - 128 fits, its zero goes into the offset
+    center = 0 if signed else 1 << (bits - 1)  # 8-bit asymmetric: q - 128 fits, its zero goes into the offset
     return GroupedInt8Weight((q - center).to(torch.int8).contiguous(), scales, ((zeros - center) * scales).contiguous(),
                              group, source, input_order)
 
@@ -173,7 +175,7 @@ def decode_compressed_tensors(layer: PackedLayer, scheme: LayerScheme, out_featu
         order = _input_order(layer, "weight_g_idx", g_idx, group, groups)
     if order is not None:
         q = q[:, order]
-    return grouped_weight(q, zeros, scales, group, bits, source, order)
+    return grouped_weight(q, zeros, scales, group, bits, source, order, signed=True)
 
 
 def decoder_for(method: str) -> Callable[..., GroupedInt8Weight]:
