@@ -27,7 +27,12 @@ import pytest
 import torch
 
 from tgi_vlm.quantization.packed_config import LayerScheme, PackedCheckpointError, PackedQuantization
-from tgi_vlm.quantization.packed_formats import PackedLayer, decode_awq, decode_compressed_tensors, decode_gptq
+from tgi_vlm.quantization.packed_formats import (
+    PackedLayer,
+    decode_awq,
+    decode_compressed_tensors,
+    decode_gptq,
+)
 from tgi_vlm.testing.quantized_checkpoints import packed_tensors, quantize
 
 OUT, IN = 48, 128
