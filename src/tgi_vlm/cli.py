@@ -67,12 +67,15 @@ def check_model_id(model_id: str) -> None:
 
 
 # TGI's --quantize values this shard takes: what each does here.
-QUANTIZE_SUPPORTED = {"eetq": "int8 weight-only per output channel, made at load from the float checkpoint"}
+QUANTIZE_SUPPORTED = {
+    "eetq": "int8 weight-only per output channel, made at load from the float checkpoint",
+    "awq": "an AWQ (GEMM, 4-bit) checkpoint, its packed layers kept quantized",
+    "gptq": "a GPTQ (4- or 8-bit) checkpoint, its packed layers kept quantized",
+    "compressed-tensors": "a compressed-tensors pack-quantized (W4A16 / W8A16) checkpoint, kept quantized",
+}
 # The rest of TGI's launcher values, and why not (yet).
 QUANTIZE_NOT_YET = {
-    "awq": "AWQ checkpoints are not supported yet", "gptq": "GPTQ checkpoints are not supported yet",
-    "marlin": "GPTQ/AWQ (Marlin) checkpoints are not supported yet",
-    "compressed-tensors": "compressed-tensors checkpoints are not supported yet",
+    "marlin": "Marlin-format checkpoints are not supported (a GPTQ/AWQ checkpoint: --quantize gptq|awq or no flag)",
     "exl2": "EXL2 checkpoints are not supported (GPU-only ExLlamaV2 format)",
     "fp8": "fp8 is not supported on this backend", "bitsandbytes": "bitsandbytes is not supported",
     "bitsandbytes-nf4": "bitsandbytes is not supported", "bitsandbytes-fp4": "bitsandbytes is not supported",
@@ -82,8 +85,8 @@ QUANTIZE_NOT_YET = {
 def quantize_refusal(quantize: str) -> str:
     why = QUANTIZE_NOT_YET.get(quantize, "not one of TGI's --quantize values")
     supported = "; ".join(f"{k}: {v}" for k, v in QUANTIZE_SUPPORTED.items())
-    return (f"--quantize {quantize}: {why} (supported: {supported}; a GGUF file is served quantized as it is, "
-            "without the flag)")
+    return (f"--quantize {quantize}: {why} (supported: {supported}; a GGUF file, or an AWQ / GPTQ / compressed-tensors "
+            "checkpoint, is served quantized as it is without the flag too)")
 
 
 def unsupported_features(config: ServerConfig, quantize: Optional[str], speculate: Optional[int],

@@ -8,8 +8,9 @@ compressed-tensors W4A16 and GPTQ).
 `src`, and in model.safetensors replaces the weight of every linear layer of the language model (transformers'
 decoder: not the lm-head, the embedding, the vision tower or the projector) by its packed tensors, under the
 checkpoint's own names, then adds the `quantization_config` to config.json. The quantizer is plain round-to-nearest
-per group (min/max; symmetric: absmax / (2^(bits-1) - 1)); `act_order` (GPTQ) sorts the inputs by the column norm
-first, as GPTQ's desc_act sorts them by its Hessian's diagonal, and writes the `g_idx` that results.
+per group (min/max; symmetric: absmax / (2^(bits-1) - 1)); `act_order` (GPTQ) takes the inputs in a fixed random
+order per input width before grouping (GPTQ's desc_act sorts them by its Hessian's diagonal, which layers reading the
+same input share, so q/k/v and gate/up share one order) and writes the `g_idx` that results.
 
 Tests read these files with independent code (compressed-tensors' decompressor, AutoAWQ's de-quantization, a formula
 written in the test from the format's definition), never only with the shard's reader.
@@ -48,7 +49,8 @@ def quantize(weight: torch.Tensor, bits: int, group: int, *, symmetric: bool, sc
              act_order: bool = False, min_zero: int = 0) -> Quantized:
     """Round-to-nearest `bits`-bit codes per `group` inputs (-1: the whole row); zeros of at least `min_zero`."""
     w = weight.detach().float()
-    order = torch.argsort(w.norm(dim=0), descending=True, stable=True) if act_order else None
+    generator = torch.Generator().manual_seed(w.shape[1])  # one order per input width: siblings share it
+    order = torch.randperm(w.shape[1], generator=generator) if act_order else None
     if order is not None:
         w = w[:, order]
     out, in_features = w.shape
