@@ -1,5 +1,5 @@
 """Command line: `serve` and `download-weights` as TGI's launcher calls them; `launch` (TGI's HTTP API),
-`generate`, `bench` and `tiny-model`.
+`generate`, `bench`, `tiny-model` and `quantized-copy`.
 
 Heavy imports (torch, transformers, the engine) happen inside the commands, after the cheap
 checks, so a refused flag fails fast and `--help` stays quick.
@@ -235,6 +235,34 @@ def tiny_model(
 
     build_tiny_model(arch, out, size=size.value)
     logger.info("wrote a {} {} model to {}", size.value, arch, out)
+
+
+class PackedMethod(str, Enum):
+    compressed_tensors = "compressed-tensors"
+    gptq = "gptq"
+    awq = "awq"
+
+
+@app.command("quantized-copy")
+def quantized_copy(
+    src: Annotated[Path, typer.Argument(help="A float model directory (e.g. one `tiny-model --size bench` wrote)")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the quantized copy to")],
+    method: PackedMethod = PackedMethod.compressed_tensors,
+    bits: int = 4,
+    group: Annotated[int, typer.Option(help="Inputs per scale; -1: one per output row")] = 128,
+    symmetric: Annotated[bool, typer.Option(help="No zero points (AWQ always has them)")] = True,
+    act_order: Annotated[bool, typer.Option(help="GPTQ desc_act: groups in a permuted input order, with g_idx")] = False,
+    logger_level: str = "INFO",
+) -> None:
+    """Write a 4/8-bit copy of a model's language model as compressed-tensors W4A16 (pack-quantized), GPTQ or AWQ
+    (round-to-nearest; vision tower, projector, embedding and lm-head kept), for benchmarks against peers that load
+    these formats."""
+    _setup_logging(logger_level, False)
+    from tgi_vlm.testing.quantized_checkpoints import write_quantized_copy
+
+    write_quantized_copy(src, out, method.value, bits=bits, group=group,
+                         symmetric=symmetric and method != PackedMethod.awq, act_order=act_order)
+    logger.info("wrote a {} {}-bit group {} copy of {} to {}", method.value, bits, group, src, out)
 
 
 def _setup_logging(level: str, json_output: bool) -> None:
