@@ -145,21 +145,32 @@ def linear_names(src: Path, keys: list[str]) -> tuple[list[str], list[str]]:
     """The checkpoint names (without `.weight`) of the language model's linear layers, and of the other linears."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tgi_vlm.quantization.packed_checkpoint import model_names
-
     config = AutoConfig.from_pretrained(src)
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)
     decoder = {id(m) for m in model.get_decoder().modules()}
     modules = dict(model.named_modules())
-    names = model_names(model, [k for k in keys if k.endswith(".weight")])
+    names = _model_names(model, [k for k in keys if k.endswith(".weight")])
     language, other = [], []
     for key, name in names.items():
         module = modules.get(name.removesuffix(".weight"))
         if type(module) is torch.nn.Linear:
             (language if id(module) in decoder else other).append(key.removesuffix(".weight"))
     return language, other
+
+
+def _model_names(model: torch.nn.Module, keys: list[str]) -> dict[str, str]:
+    """Checkpoint name -> the model's, by transformers' key renaming (on its own here: the testing package stays out
+    of the shard's reader, quantization/packed_checkpoint.py, which does the same for loading)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    params = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
+    return {k: rename_source_key(k, renamings, converters, model.base_model_prefix, params)[0] for k in keys}
 
 
 def write_quantized_copy(src: str | Path, dst: str | Path, method: str = "compressed-tensors", *, bits: int = 4,
