@@ -24,6 +24,7 @@ $(VENV)/.installed: pyproject.toml setup.py proto/generate/v3/generate.proto
 	$(PY) -m pip install -q $(TORCH_PINS)
 	$(PY) -m pip install -q -e '.[dev,vision,server]'
 	$(PY) -m pip install -q --no-deps 'text-generation==0.7.0'  # TGI's client; see pyproject's dev extra
+	$(PY) -m pip install -q --no-deps 'autoawq==0.2.9'  # AWQ's reference de-quantization (tests load its torch-only packing_utils.py)
 	touch $@
 
 test: install

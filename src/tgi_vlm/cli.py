@@ -1,5 +1,5 @@
 """Command line: `serve` and `download-weights` as TGI's launcher calls them; `launch` (TGI's HTTP API),
-`generate`, `bench` and `tiny-model`.
+`generate`, `bench`, `tiny-model` and `quantized-copy`.
 
 Heavy imports (torch, transformers, the engine) happen inside the commands, after the cheap
 checks, so a refused flag fails fast and `--help` stays quick.
@@ -67,12 +67,15 @@ def check_model_id(model_id: str) -> None:
 
 
 # TGI's --quantize values this shard takes: what each does here.
-QUANTIZE_SUPPORTED = {"eetq": "int8 weight-only per output channel, made at load from the float checkpoint"}
+QUANTIZE_SUPPORTED = {
+    "eetq": "int8 weight-only per output channel, made at load from the float checkpoint",
+    "awq": "an AWQ (GEMM, 4-bit) checkpoint, its packed layers kept quantized",
+    "gptq": "a GPTQ (4- or 8-bit) checkpoint, its packed layers kept quantized",
+    "compressed-tensors": "a compressed-tensors pack-quantized (W4A16 / W8A16) checkpoint, kept quantized",
+}
 # The rest of TGI's launcher values, and why not (yet).
 QUANTIZE_NOT_YET = {
-    "awq": "AWQ checkpoints are not supported yet", "gptq": "GPTQ checkpoints are not supported yet",
-    "marlin": "GPTQ/AWQ (Marlin) checkpoints are not supported yet",
-    "compressed-tensors": "compressed-tensors checkpoints are not supported yet",
+    "marlin": "Marlin-format checkpoints are not supported (a GPTQ/AWQ checkpoint: --quantize gptq|awq or no flag)",
     "exl2": "EXL2 checkpoints are not supported (GPU-only ExLlamaV2 format)",
     "fp8": "fp8 is not supported on this backend", "bitsandbytes": "bitsandbytes is not supported",
     "bitsandbytes-nf4": "bitsandbytes is not supported", "bitsandbytes-fp4": "bitsandbytes is not supported",
@@ -82,8 +85,8 @@ QUANTIZE_NOT_YET = {
 def quantize_refusal(quantize: str) -> str:
     why = QUANTIZE_NOT_YET.get(quantize, "not one of TGI's --quantize values")
     supported = "; ".join(f"{k}: {v}" for k, v in QUANTIZE_SUPPORTED.items())
-    return (f"--quantize {quantize}: {why} (supported: {supported}; a GGUF file is served quantized as it is, "
-            "without the flag)")
+    return (f"--quantize {quantize}: {why} (supported: {supported}; a GGUF file, or an AWQ / GPTQ / compressed-tensors "
+            "checkpoint, is served quantized as it is without the flag too)")
 
 
 def unsupported_features(config: ServerConfig, quantize: Optional[str], speculate: Optional[int],
@@ -232,6 +235,34 @@ def tiny_model(
 
     build_tiny_model(arch, out, size=size.value)
     logger.info("wrote a {} {} model to {}", size.value, arch, out)
+
+
+class PackedMethod(str, Enum):
+    compressed_tensors = "compressed-tensors"
+    gptq = "gptq"
+    awq = "awq"
+
+
+@app.command("quantized-copy")
+def quantized_copy(
+    src: Annotated[Path, typer.Argument(help="A float model directory (e.g. one `tiny-model --size bench` wrote)")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the quantized copy to")],
+    method: PackedMethod = PackedMethod.compressed_tensors,
+    bits: int = 4,
+    group: Annotated[int, typer.Option(help="Inputs per scale; -1: one per output row")] = 128,
+    symmetric: Annotated[bool, typer.Option(help="No zero points (AWQ always has them)")] = True,
+    act_order: Annotated[bool, typer.Option(help="GPTQ desc_act: groups in a permuted input order, with g_idx")] = False,
+    logger_level: str = "INFO",
+) -> None:
+    """Write a 4/8-bit copy of a model's language model as compressed-tensors W4A16 (pack-quantized), GPTQ or AWQ
+    (round-to-nearest; vision tower, projector, embedding and lm-head kept), for benchmarks against peers that load
+    these formats."""
+    _setup_logging(logger_level, False)
+    from tgi_vlm.testing.quantized_checkpoints import write_quantized_copy
+
+    write_quantized_copy(src, out, method.value, bits=bits, group=group,
+                         symmetric=symmetric and method != PackedMethod.awq, act_order=act_order)
+    logger.info("wrote a {} {}-bit group {} copy of {} to {}", method.value, bits, group, src, out)
 
 
 def _setup_logging(level: str, json_output: bool) -> None:

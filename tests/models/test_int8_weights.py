@@ -79,17 +79,18 @@ def test_a_vlm_served_int8_keeps_its_vision_tower_and_gives_transformers_tokens_
 
 
 @pytest.mark.parametrize("value,message", [
-    ("awq", r"--quantize awq: AWQ checkpoints are not supported yet \(supported: eetq: int8 weight-only"),
+    ("marlin", r"--quantize marlin: Marlin-format checkpoints are not supported .*\(supported: eetq: int8 weight-only"),
     ("exl2", "--quantize exl2: EXL2 checkpoints are not supported"),
     ("int3", "--quantize int3: not one of TGI's --quantize values"),
 ])
-def test_the_shard_takes_eetq_and_refuses_other_quantize_values_by_name(value, message):
+def test_the_shard_takes_eetq_and_the_packed_methods_and_refuses_other_quantize_values_by_name(value, message):
     import re
 
     from tgi_vlm.cli import unsupported_features
     from tgi_vlm.config import ServerConfig
 
     config = ServerConfig.from_env("m", env={})
-    assert unsupported_features(config, "eetq", None, None) == []
+    for taken in ("eetq", "awq", "gptq", "compressed-tensors"):
+        assert unsupported_features(config, taken, None, None) == []
     problems = unsupported_features(config, value, None, None)
     assert len(problems) == 1 and re.search(message, problems[0]), problems

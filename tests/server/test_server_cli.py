@@ -75,7 +75,8 @@ def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags,
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--quantize", "awq"], {}, "--quantize awq: AWQ checkpoints are not supported yet (supported: eetq"),
+        (["--quantize", "marlin"], {}, "--quantize marlin: Marlin-format checkpoints are not supported (a GPTQ/AWQ "
+                                       "checkpoint: --quantize gptq|awq or no flag) (supported: eetq"),
         (["--quantize", "nf5"], {}, "--quantize nf5: not one of TGI's --quantize values"),
         (["--speculate", "-1"], {}, "--speculate -1 must be >= 0"),
         (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
@@ -136,10 +137,10 @@ def test_serve_passes_the_launchers_speculate_to_the_engine(served, flags, depth
 
 
 def test_serve_errors_are_json_records_with_json_output(served):
-    result = invoke("serve", "/models/m", "--json-output", "--quantize", "gptq")
+    result = invoke("serve", "/models/m", "--json-output", "--quantize", "exl2")
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert record["record"]["level"]["name"] == "ERROR"
-    assert "--quantize gptq" in record["text"]
+    assert "--quantize exl2" in record["text"]
 
 
 def test_serve_refuses_an_unknown_dtype(served):

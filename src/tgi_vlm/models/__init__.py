@@ -43,8 +43,7 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[choice.name]
     # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
     layout = plan_layout(hf_config, config.rank, config.world_size)
-    if config.quantize not in (None, "eetq"):
-        raise ValueError(f"quantize={config.quantize!r}: only 'eetq' (int8 weight-only per channel) is served")
+    packed = None if gguf_file is not None else _packed_checkpoint(model_id, hf_config, config, revision)
     if config.quantize and config.world_size > 1:
         raise ValueError("--quantize with --num-shard > 1 is not supported: quantized weights are not split across "
                          "ranks")
@@ -55,12 +54,35 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
         engine = load_vlm(model_id, hf_config, config, attn_name, dtype, layout, revision=revision,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, packed=packed)
     else:
         engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code,
-                                  gguf_file)
+                                  gguf_file, packed)
     engine.linear_plan = _plan_linears(engine, config)
     return engine
+
+
+def _packed_checkpoint(model_id: str, hf_config, config: EngineConfig, revision: str | None):
+    """An AWQ / GPTQ / compressed-tensors checkpoint's quantization (quantization/packed_checkpoint.py), None for a
+    float one; `--quantize` must name its method or be left out (as TGI's launcher, which reads it from the config),
+    and `--quantize awq|gptq|compressed-tensors` on a float checkpoint is refused."""
+    from tgi_vlm.quantization.packed_checkpoint import METHODS, PackedCheckpoint, PackedCheckpointError
+
+    if config.quantize not in (None, "eetq", *METHODS):
+        raise ValueError(f"quantize={config.quantize!r}: served are 'eetq' and {', '.join(map(repr, METHODS))}")
+    packed = PackedCheckpoint.find(model_id, hf_config, revision=revision)
+    method = packed.quantization.method if packed is not None else None
+    if packed is None and config.quantize in METHODS:
+        raise PackedCheckpointError(f"--quantize {config.quantize}: {model_id} is not a {config.quantize} checkpoint "
+                                    "(its config.json has no quantization_config); leave the flag out, or use --quantize "
+                                    "eetq to make int8 weights at load")
+    if packed is not None and config.quantize not in (None, method):
+        raise PackedCheckpointError(f"--quantize {config.quantize}: {model_id} is a {method} checkpoint "
+                                    f"({packed.quantization.where}); pass --quantize {method} or leave the flag out")
+    if packed is not None and config.world_size > 1:
+        raise PackedCheckpointError(f"{model_id}: a {method} checkpoint is served on one shard (--num-shard 1); its "
+                                    "packed weights are not split across ranks")
+    return packed
 
 
 def _plan_linears(engine, config: EngineConfig):
@@ -106,7 +128,7 @@ def _is_vision_language(hf_config) -> bool:
 
 
 def _load_text_model(model_id, hf_config, config: EngineConfig, attn_name, dtype, layout: ShardLayout, revision,
-                     trust_remote_code, gguf_file=None):
+                     trust_remote_code, gguf_file=None, packed=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tgi_vlm.models.flash_causal_lm import FlashCausalLM
@@ -116,15 +138,15 @@ def _load_text_model(model_id, hf_config, config: EngineConfig, attn_name, dtype
     source, file_args = gguf_file.pretrained_args() if gguf_file is not None else (model_id, {"use_safetensors": True})
     if gguf_file is not None:  # the config read from the file once already (its metadata parse: 7.5 s of 26 for Gemma)
         file_args = {**file_args, "config": hf_config}
-    model = AutoModelForCausalLM.from_pretrained(
-        source,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        attn_implementation=attn_name,
-        dtype=dtype,
-        **file_args,  # safetensors only: never unpickle weights
-        **load_kwargs(hf_config, layout, config.device),
-    ).to(config.device)
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, attn_implementation=attn_name, dtype=dtype,
+                  **file_args,  # safetensors only: never unpickle weights
+                  **load_kwargs(hf_config, layout, config.device))
+    if packed is not None:  # AWQ / GPTQ / compressed-tensors: the packed layers attached quantized
+        from tgi_vlm.quantization.packed_checkpoint import load_packed
+
+        model = load_packed(AutoModelForCausalLM.from_pretrained, source, packed, hf_config, config.device, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs).to(config.device)
     if gguf_file is not None:
         from tgi_vlm.quantization.gguf_checkpoint import attach_quantized_weights
 

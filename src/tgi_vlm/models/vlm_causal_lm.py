@@ -155,19 +155,20 @@ class VlmCausalLM(FlashCausalLM):
 
 
 def load_vlm(model_id: str, hf_config, config: EngineConfig, attn_name: str, dtype, layout: ShardLayout,
-             *, revision=None, trust_remote_code: bool = False) -> VlmCausalLM:
+             *, revision=None, trust_remote_code: bool = False, packed=None) -> VlmCausalLM:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     adapter_for(hf_config.model_type)  # fail early, listing the supported types
-    model = AutoModelForImageTextToText.from_pretrained(
-        model_id,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        attn_implementation={"text_config": attn_name, "vision_config": "sdpa"},
-        dtype=dtype,
-        use_safetensors=True,
-        **load_kwargs(hf_config, layout, config.device),
-    ).to(config.device)
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code,
+                  attn_implementation={"text_config": attn_name, "vision_config": "sdpa"}, dtype=dtype,
+                  use_safetensors=True, **load_kwargs(hf_config, layout, config.device))
+    if packed is not None:  # an AWQ / GPTQ / compressed-tensors checkpoint (quantization/packed_checkpoint.py)
+        from tgi_vlm.quantization.packed_checkpoint import load_packed
+
+        model = load_packed(AutoModelForImageTextToText.from_pretrained, model_id, packed, hf_config, config.device,
+                            **kwargs)
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(model_id, **kwargs).to(config.device)
     keep_own_kv_head(model.get_decoder(), model.config.get_text_config(), layout)
     processor = AutoProcessor.from_pretrained(model_id, revision=revision, trust_remote_code=trust_remote_code)
     logger.info("loaded {} ({}) on {} in {}", model_id, type(model).__name__, config.device, dtype)

@@ -7,6 +7,11 @@ file's Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K; quantization/gguf_blocks.
 transformers uses, computes the same products in the same order). Codes of 4-6 bits take a byte each here: a
 Q5_0 tensor is 1.45x its file size in memory, a Q8_0 one 1.06x, for one kernel that serves every type
 (kernels/cpu/csrc/grouped_linear.c).
+
+A GPTQ checkpoint quantized in activation order (`desc_act`) groups inputs that are not neighbours (its `g_idx` names
+each input's group). Such a weight keeps its columns sorted by group (`input_order`: stored column j is the layer's
+input `input_order[j]`), so every group is contiguous again, and its kernel gathers x's columns in the same order
+(x[:, order] @ W[:, order]^T = x @ W^T: a permutation of the sum's terms, exact up to the sum's rounding order).
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ class GroupedInt8Weight:
     offsets: torch.Tensor | None  # [out, in // group] float32, subtracted; None: symmetric codes
     group: int  # inputs per scale: 16 or 32 (GGUF blocks), the whole row (--quantize eetq); the native kernel: x16
     source: str  # where it came from, for the plan's log: "gguf Q5_0"
+    input_order: torch.Tensor | None = None  # [in] int64: stored column j is the layer's input input_order[j]
 
     def __post_init__(self):
         out, in_features = self.codes.shape
         groups = (out, in_features // self.group)
         if (self.codes.dtype != torch.int8 or in_features % self.group or tuple(self.scales.shape) != groups
-                or (self.offsets is not None and tuple(self.offsets.shape) != groups)):
+                or (self.offsets is not None and tuple(self.offsets.shape) != groups)
+                or (self.input_order is not None and tuple(self.input_order.shape) != (in_features,))):
             raise ValueError(f"{self.source}: codes {tuple(self.codes.shape)} {self.codes.dtype}, scales "
                              f"{tuple(self.scales.shape)}, group {self.group} do not describe one weight")
 
@@ -46,16 +53,18 @@ class GroupedInt8Weight:
         if self.codes.device == torch.device(device):
             return self
         return GroupedInt8Weight(self.codes.to(device), self.scales.to(device),
-                                 None if self.offsets is None else self.offsets.to(device), self.group, self.source)
+                                 None if self.offsets is None else self.offsets.to(device), self.group, self.source,
+                                 None if self.input_order is None else self.input_order.to(device))
 
     def rows_in_order(self, order: torch.Tensor) -> GroupedInt8Weight:
         """The same weight with its output rows taken in `order` (a permutation of the rows)."""
         return GroupedInt8Weight(self.codes[order].contiguous(), self.scales[order].contiguous(),
                                  None if self.offsets is None else self.offsets[order].contiguous(), self.group,
-                                 self.source)
+                                 self.source, self.input_order)
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """The float32 weight `[out, in]` (or only `rows`: a 1-D index tensor or a slice of the outputs)."""
+    def dequantize(self, rows: torch.Tensor | slice | None = None, *, stored_order: bool = False) -> torch.Tensor:
+        """The float32 weight `[out, in]` (or only `rows`: a 1-D index tensor or a slice of the outputs), its columns
+        in the layer's input order (`stored_order`: as stored, for a product with x's columns gathered)."""
         codes, scales, offsets = self.codes, self.scales, self.offsets
         if rows is not None:
             codes, scales = codes[rows], scales[rows]
@@ -64,4 +73,7 @@ class GroupedInt8Weight:
         values = codes.view(n, -1, self.group).float() * scales.unsqueeze(-1)  # scale * code, then - offset
         if offsets is not None:
             values = values - offsets.unsqueeze(-1)
-        return values.view(n, in_features)
+        values = values.view(n, in_features)
+        if self.input_order is None or stored_order:
+            return values
+        return torch.empty_like(values).index_copy_(1, self.input_order, values)

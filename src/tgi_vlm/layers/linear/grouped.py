@@ -19,6 +19,10 @@ transformers' bf16 model of the de-quantized checkpoint holds it. A request's bf
 rounding with the size of the batch it decodes in (float32 inputs: exact weights on every path). The bias is added
 after the native product (in bf16: a second rounding).
 
+A weight stored in activation order (GPTQ `desc_act`, `GroupedInt8Weight.input_order`) takes x's columns gathered
+in that order first; siblings fuse only when their orders are equal (GPTQ sorts by the shared input's statistics, so
+q/k/v and gate/up usually agree).
+
 Sibling projections fuse (q/k/v, gate/up) when their groups agree: the codes, scales and offsets are concatenated
 along the outputs, which is exact (rows of W are independent).
 """
@@ -64,6 +68,8 @@ class GroupedInt8Linear(LinearKernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if self.weight.input_order is not None:  # columns in the stored (activation) order
+            flat = flat.index_select(1, self.weight.input_order)
         rows = flat.shape[0]
         if self.native and 1 <= rows <= NATIVE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             w = self.weight
@@ -84,7 +90,7 @@ class GroupedInt8Linear(LinearKernel):
                 dense = ops.grouped_int8_dequantize(w.codes[part], w.scales[part],
                                                     None if w.offsets is None else w.offsets[part], w.group, flat.dtype)
             else:
-                dense = w.dequantize(rows=part).to(flat.dtype)
+                dense = w.dequantize(rows=part, stored_order=True).to(flat.dtype)
             parts.append(F.linear(flat, dense, None if self.bias is None else self.bias[part]))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
@@ -93,7 +99,8 @@ class GroupedInt8Linear(LinearKernel):
 
     def same_kind(self, other: LinearKernel) -> bool:
         return (type(other) is type(self) and other.native == self.native and other.weight.group == self.weight.group
-                and (other.weight.offsets is None) == (self.weight.offsets is None))
+                and (other.weight.offsets is None) == (self.weight.offsets is None)
+                and _same_order(other.weight.input_order, self.weight.input_order))
 
     def fused_over(self, source: PlainWeights) -> LinearKernel:
         parts = [m.linear_kernel.weight for m in source.modules]
@@ -101,5 +108,9 @@ class GroupedInt8Linear(LinearKernel):
         fused = GroupedInt8Weight(
             codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
             offsets=None if parts[0].offsets is None else torch.cat([p.offsets for p in parts]),
-            group=parts[0].group, source="+".join(sources))
+            group=parts[0].group, source="+".join(sources), input_order=parts[0].input_order)
         return GroupedInt8Linear(source, fused, native=self.native)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

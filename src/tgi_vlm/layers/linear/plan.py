@@ -5,9 +5,11 @@
 (layers/linear/fused.py), and returns a `LinearPlan` read back from the modules themselves, so what it logs is
 what runs. The rules, in order, for one layer:
 
-0. a layer a quantized checkpoint's loader gave a `quantized_weight` (quantization/gguf_checkpoint.py):
-   `int8-grouped(<format>)`, with the native product (`+native`) for decode-sized rows where it loads
-   (layers/linear/grouped.py), on any device (GGUF files and --quantize are refused with --num-shard > 1);
+0. a layer a quantized checkpoint's loader gave a `quantized_weight` (quantization/gguf_checkpoint.py,
+   quantization/packed_checkpoint.py for AWQ / GPTQ / compressed-tensors, quantization/int8.py for --quantize eetq):
+   `int8-grouped(<format>)`, with the native product (`+native`) for decode-sized rows where it loads and the group is
+   a multiple of 16 (layers/linear/grouped.py), on any device (quantized checkpoints and --quantize are refused with
+   --num-shard > 1);
 1. not on CPU, or the CPU speed-ups off (`TGI_VLM_CPU_SPEEDUPS=0`), or a tensor-parallel rank (its plan hooks the
    modules and its weights are DTensors): `torch`;
 2. a weight that is not a plain tensor (a subclass: quantized, DTensor, ...) reports a dtype it may not be stored
