@@ -114,24 +114,27 @@ def test_lean_layers_with_the_native_norm_give_transformers_tokens_and_logits_to
 
 @needs("gemma_rms_norm_add")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gemma3_per_step_plan_is_the_ops_path_bit_for_bit(dtype, monkeypatch):
-    """Gemma 3's layers on the per-step plan (layers/gemma3_native_step.py: the same C calls, checked once a step,
-    the sandwich norms fused with their residual adds) against the same kernels called op by op with their checks:
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2_vl", "llama", "idefics2"])
+def test_the_per_step_plan_is_the_ops_path_bit_for_bit(arch, dtype, monkeypatch):
+    """The lean layers on the per-step plan (layers/native_step.py: the same C calls, checked once a step; Gemma 3's
+    sandwich norms fused with their residual adds) against the same kernels called op by op with their checks:
     equal logits, bit for bit, over prefills beside decode rows and decode-only steps (through decode_attention)."""
-    from tgi_vlm.layers import gemma3_native_step
+    from tgi_vlm.layers import native_step
 
     require("gemma_rms_norm_add")
-    direct_decodes = []
-    attend = gemma3_native_step._decode_attention
-    monkeypatch.setattr(gemma3_native_step, "_decode_attention",
-                        lambda *args: direct_decodes.append(1) or attend(*args))
+    planned_layers, direct_decodes = [], []
+    attend, gemma3, llama = native_step._decode_attention, native_step.gemma3_layer, native_step.llama_layer
+    monkeypatch.setattr(native_step, "_decode_attention", lambda *args: direct_decodes.append(1) or attend(*args))
+    monkeypatch.setattr(native_step, "gemma3_layer", lambda *args: planned_layers.append(1) or gemma3(*args))
+    monkeypatch.setattr(native_step, "llama_layer", lambda *args: planned_layers.append(1) or llama(*args))
     runs = []
     for planned in (True, False):
-        monkeypatch.setattr(gemma3_native_step, "ENABLED", planned)
-        direct_decodes.clear()
-        engine = lean_engine("gemma3", KernelSettings(native_norm=True), dtype=dtype)
+        monkeypatch.setattr(native_step, "ENABLED", planned)
+        planned_layers.clear(), direct_decodes.clear()
+        engine = lean_engine(arch, KernelSettings(native_norm=True), dtype=dtype)
         with op_calls() as calls:
-            runs.append(run(engine, "gemma3"))
-        assert bool(calls["tgi_vlm::gemma_rms_norm_add"]) == planned  # the plan ran, or only the ops did
-        assert bool(direct_decodes) == planned  # decode-only steps took the plan's own attention call
+            runs.append(run(engine, arch_for_requests(arch)))
+        assert bool(planned_layers) == planned and bool(direct_decodes) == planned  # the plan ran, or only the ops
+        if arch == "gemma3":
+            assert bool(calls["tgi_vlm::gemma_rms_norm_add"]) == planned
     assert_identical_runs(*runs)

@@ -49,7 +49,7 @@ from tgi_vlm.config import KernelSettings
 from tgi_vlm.kernels import cpu as cpu_kernels
 from tgi_vlm.kernels.cpu import ops
 from tgi_vlm.layers.attention.backend import paged_attention
-from tgi_vlm.layers.gemma3_native_step import native_layer, native_step
+from tgi_vlm.layers import native_step as per_step
 from tgi_vlm.layers.linear.fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
@@ -128,6 +128,12 @@ def _lean_forward(self: torch.nn.Module, hidden_states: torch.Tensor, attention_
     attn, mlp = self.self_attn, self.mlp
     bsz, q_len, _ = hidden_states.shape
     meta = kwargs.get("attn_metadata")
+    if parts.native_norm and parts.native_rotary:  # checks made once per step, the same C calls (layers/native_step.py)
+        step = per_step.native_step(meta, hidden_states)
+        if step is not None:
+            out = per_step.llama_layer(self, parts, step, hidden_states, *position_embeddings, meta)
+            if out is not None:
+                return out
     x = rms_norm(self.input_layernorm, hidden_states, parts.native_norm)
     qkv = parts.qkv.product(x)  # [bsz, q_len, (Hq + 2 Hkv) D]
     cos, sin = position_embeddings  # [bsz, q_len, D]
@@ -202,11 +208,11 @@ def _lean_gemma3_forward(self: torch.nn.Module, hidden_states: torch.Tensor, pos
     parts: LeanParts = self.__dict__[_PARTS_ATTR]
     attn, mlp, native = self.self_attn, self.mlp, parts.native_norm
     bsz, q_len, _ = hidden_states.shape
-    if native and parts.native_rotary:  # checks made once per step, the same C calls (layers/gemma3_native_step.py)
+    if native and parts.native_rotary:  # checks made once per step, the same C calls (layers/native_step.py)
         meta = kwargs.get("attn_metadata")
-        step = native_step(meta, hidden_states)
+        step = per_step.native_step(meta, hidden_states)
         if step is not None:
-            out = native_layer(self, parts, step, hidden_states, *position_embeddings, meta)
+            out = per_step.gemma3_layer(self, parts, step, hidden_states, *position_embeddings, meta)
             if out is not None:
                 return out
     qkv = parts.qkv.product(gemma_norm(self.input_layernorm, hidden_states, native))  # [bsz, q_len, (Hq + 2 Hkv) D]

@@ -82,7 +82,7 @@ class AttentionMetadata:
     backend: AttentionBackend | None = None
     backend_state: object | None = None
     _masks: dict = field(default_factory=dict, repr=False)
-    # What layer code computes once per step and shares across layers (layers/gemma3_native_step.py), by its key.
+    # What layer code computes once per step and shares across layers (layers/native_step.py), by its key.
     layer_state: dict = field(default_factory=dict, repr=False)
 
     def clear_masks(self) -> None:
