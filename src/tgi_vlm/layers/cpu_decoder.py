@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from tgi_vlm.config import KernelSettings
 from tgi_vlm.kernels import cpu as cpu_kernels
 from tgi_vlm.kernels.cpu import ops
-from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers import native_step as per_step
+from tgi_vlm.layers.attention.backend import paged_attention
 from tgi_vlm.layers.linear.fused import FusedProjections, fused_group
 
 # Layers of this exact structure in transformers 5 (pre-norm, q/k/v/o attention with standard rotary
