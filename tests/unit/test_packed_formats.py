@@ -252,6 +252,21 @@ CONFIG_REFUSALS = {
     "GPTQ 3-bit": ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3-bit codes is not served"),
     "GPTQ marlin": ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
                     "GPTQ checkpoint_format 'marlin' is not served"),
+    "GPTQ marlin (format key)": ({"quant_method": "gptq", "bits": 4, "format": "marlin"},
+                                 "GPTQ checkpoint_format 'marlin' is not served"),
+    "GPTQ group_size null": ({"quant_method": "gptq", "bits": 4, "group_size": None},
+                             "group_size None is not an integer"),
+    "GPTQ dynamic 3-bit": ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*": {"bits": 3}}},
+                           r"dynamic\['\+:\.\*'\]: GPTQ with 3-bit codes is not served"),
+    "CT online transforms": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                              "transform_config": {"config_groups": {"r": {"type": "hadamard"}}}, "config_groups": {}},
+                             "transform_config: online transforms"),
+    "CT sparse storage": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "sparsity_config": {"format": "sparse-24-bitmask"}, "config_groups": {}},
+                          "sparsity_config: sparse weight storage"),
+    "CT group_size null": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": None}}}},
+        "config_groups.g: group_size None is not an integer"),
 }
 
 
@@ -285,3 +300,49 @@ def test_each_methods_exclusions_keep_those_layers_unquantized():
     assert ct.scheme_for("lm_head") is None and ct.scheme_for("visual.merger.mlp.0") is None
     assert ct.scheme_for("model.visual.blocks.0.attn.qkv") is None
     assert ct.scheme_for("model.layers.0.mlp.up_proj") == LayerScheme(4, 32, True)
+
+
+def test_gptq_v2_named_by_the_format_key_keeps_its_zero_points_as_stored():
+    """GPTQModel writes `"format": "gptq_v2"` (no checkpoint_format): zeros as stored, not stored minus one."""
+    v2 = PackedQuantization.from_config({"quant_method": "gptq", "bits": 4, "format": "gptq_v2"}, "c")
+    classic = PackedQuantization.from_config({"quant_method": "gptq", "bits": 4}, "c")
+    assert not v2.gptq_zeros_minus_one and classic.gptq_zeros_minus_one
+
+
+def test_compressed_tensors_groups_rank_a_named_layer_over_a_pattern_over_the_class_name():
+    """compressed-tensors' precedence, whatever the groups' order: a mixed-precision config's "Linear" group listed
+    first must not take the layers a later group names."""
+    def group(bits, targets):
+        return {"targets": targets, "weights": {"num_bits": bits, "type": "int", "strategy": "group",
+                                                "group_size": 32, "symmetric": True}}
+    ct = PackedQuantization.from_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                         "config_groups": {"all": group(4, ["Linear"]),
+                                                           "down": group(8, ["re:.*down_proj"]),
+                                                           "one": group(8, ["model.layers.0.self_attn.q_proj"])}}, "c")
+    assert ct.scheme_for("model.layers.0.mlp.up_proj").bits == 4
+    assert ct.scheme_for("model.layers.3.mlp.down_proj").bits == 8
+    assert ct.scheme_for("model.layers.0.self_attn.q_proj").bits == 8
+
+
+def test_activation_order_without_its_group_index_is_refused_naming_the_tensor():
+    tensors = packed_tensors("gptq", quantize(weight(), 4, 32, symmetric=True, scale_dtype=torch.float16), 4)
+    tensors.pop("g_idx", None)
+    with pytest.raises(PackedCheckpointError, match=r"up_proj\.g_idx: the config says activation order"):
+        decode_gptq(layer(tensors), LayerScheme(4, 32, True, True), OUT, IN, zeros_minus_one=True, source="gptq")
+
+
+def test_non_zero_zero_points_under_a_symmetric_scheme_are_refused():
+    """An asymmetric checkpoint whose config says symmetric would otherwise be read without its zero points."""
+    tensors = packed_tensors("compressed-tensors", quantize(weight(), 4, 32, symmetric=False,
+                                                            scale_dtype=torch.bfloat16), 4)
+    assert "weight_zero_point" in tensors
+    with pytest.raises(PackedCheckpointError, match="weight_zero_point: non-zero zero points for a symmetric scheme"):
+        decode_compressed_tensors(layer(tensors), LayerScheme(4, 32, True), OUT, IN, source="ct")
+
+
+def test_inputs_that_do_not_fill_whole_words_are_refused_naming_the_tensor():
+    tensors = packed_tensors("compressed-tensors", quantize(weight(), 4, 32, symmetric=True,
+                                                            scale_dtype=torch.bfloat16), 4)
+    tensors["weight_shape"] = torch.tensor([OUT, IN + 4])  # a layer of 132 inputs: not a whole number of words
+    with pytest.raises(PackedCheckpointError, match="weight_packed: the layer's 132 inputs do not fill whole 32-bit"):
+        decode_compressed_tensors(layer(tensors), LayerScheme(4, -1, True), OUT, IN + 4, source="ct")

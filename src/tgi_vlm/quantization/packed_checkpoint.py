@@ -218,6 +218,10 @@ def _refuse_missing(modules: dict[str, torch.nn.Module], missing: set[str], chec
         raise PackedCheckpointError(f"{checkpoint.directory.name}: the checkpoint holds neither a float weight nor "
                                     f"{checkpoint.quantization.method} packed tensors for {', '.join(unread[:4])}"
                                     f"{' ...' if len(unread) > 4 else ''}")
+    others = sorted(missing)
+    if others:  # transformers' own report, silenced during the load: said here, where it is not about packed layers
+        logger.warning("{}: not in the checkpoint, left as the model initialized them: {}{}",
+                       checkpoint.directory.name, ", ".join(others[:8]), " ..." if len(others) > 8 else "")
 
 
 __all__ = ["METHODS", "AttachedPacked", "PackedCheckpoint", "PackedCheckpointError", "attach_packed_weights",

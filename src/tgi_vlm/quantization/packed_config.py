@@ -72,9 +72,12 @@ class PackedQuantization:
             return self._gptq_scheme(names)
         if any(_ct_matches(entry, name) for entry in self.ignore for name in names):
             return None
-        for targets, scheme in self.groups:
-            if any(_ct_matches(t, name) or t == "Linear" for t in targets for name in names):
-                return scheme
+        # compressed-tensors' own precedence: a target naming the layer, then a `re:` pattern, then the class name,
+        # whatever the order of the groups (a mixed-precision config lists a "Linear" group and specific ones)
+        for rank in (_exact_target, _regex_target, _class_target):
+            for targets, scheme in self.groups:
+                if any(rank(t, name) for t in targets for name in names):
+                    return scheme
         return None
 
     def _gptq_scheme(self, names: tuple[str, ...]) -> LayerScheme | None:
@@ -87,8 +90,12 @@ class PackedQuantization:
             if any(re.match(regex, name) for name in names):
                 if negative:
                     return None
-                return replace(self.default, bits=int(override.get("bits", self.default.bits)),
-                               group=int(override.get("group_size", self.default.group)),
+                bits = _int(override, "bits", f"{self.where} dynamic[{pattern!r}]", self.default.bits)
+                _need(bits in (4, 8), f"{self.where} dynamic[{pattern!r}]",
+                      f"GPTQ with {bits}-bit codes is not served (4 or 8 bits)")
+                return replace(self.default, bits=bits,
+                               group=_int(override, "group_size", f"{self.where} dynamic[{pattern!r}]",
+                                          self.default.group),
                                symmetric=bool(override.get("sym", self.default.symmetric)),
                                act_order=bool(override.get("desc_act", self.default.act_order)))
         return self.default
@@ -98,28 +105,50 @@ def _ct_matches(entry: str, name: str) -> bool:
     return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
 
 
+def _exact_target(target: str, name: str) -> bool:
+    return not target.startswith("re:") and target == name
+
+
+def _regex_target(target: str, name: str) -> bool:
+    return target.startswith("re:") and re.match(target[3:], name) is not None
+
+
+def _class_target(target: str, name: str) -> bool:
+    return target == "Linear"
+
+
+def _int(config: dict, key: str, where: str, default: int | None = None) -> int:
+    """`config[key]` as an int (`default` where absent), refused by name where it is null or not a number."""
+    value = config.get(key, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise PackedCheckpointError(f"{where}: {key} {value!r} is not an integer") from None
+
+
 def _need(ok: bool, where: str, what: str) -> None:
     if not ok:
         raise PackedCheckpointError(f"{where}: {what}")
 
 
 def _awq(config: dict, where: str) -> PackedQuantization:
-    version = str(config.get("version", "gemm")).lower()
+    version = str(config.get("version") or config.get("format") or "gemm").lower()  # AutoAWQ: version; GPTQModel: format
     _need(version == "gemm", where, f"AWQ version {version!r} is not served (only GEMM: 'version': 'gemm')")
-    bits = int(config.get("bits", config.get("w_bit", 4)))
+    bits = _int(config, "bits" if "bits" in config else "w_bit", where, 4)
     _need(bits == 4, where, f"AWQ with {bits}-bit codes is not served (4-bit only)")
     _need(bool(config.get("zero_point", True)), where, "AWQ without zero points (zero_point false) is not served")
-    group = int(config.get("group_size", config.get("q_group_size", 128)))
+    group = _int(config, "group_size" if "group_size" in config else "q_group_size", where, 128)
     return PackedQuantization("awq", LayerScheme(4, group, symmetric=False), where,
                               not_converted=tuple(config.get("modules_to_not_convert") or ()))
 
 
 def _gptq(config: dict, where: str) -> PackedQuantization:
-    bits = int(config.get("bits", 4))
+    bits = _int(config, "bits", where, 4)
     _need(bits in (4, 8), where, f"GPTQ with {bits}-bit codes is not served (4 or 8 bits)")
-    fmt = str(config.get("checkpoint_format", "gptq")).lower()
+    # transformers' precedence: checkpoint_format, else format (GPTQModel writes "format": "gptq_v2"), else classic
+    fmt = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
     _need(fmt in ("gptq", "gptq_v2"), where, f"GPTQ checkpoint_format {fmt!r} is not served ('gptq', 'gptq_v2')")
-    scheme = LayerScheme(bits, int(config.get("group_size", 128)), symmetric=bool(config.get("sym", True)),
+    scheme = LayerScheme(bits, _int(config, "group_size", where, 128), symmetric=bool(config.get("sym", True)),
                          act_order=bool(config.get("desc_act", False)))
     blocks = config.get("modules_in_block_to_quantize") or ()
     flat = tuple(m for part in blocks for m in (part if isinstance(part, list) else [part]))
@@ -129,6 +158,11 @@ def _gptq(config: dict, where: str) -> PackedQuantization:
 
 def _compressed_tensors(config: dict, where: str) -> PackedQuantization:
     top_format = config.get("format")
+    # Parts of a compressed-tensors config that change what the weights mean or how they are stored: serving
+    # without them would be another model (online rotations), or misread the weights (sparse storage).
+    for key, what in (("transform_config", "online transforms (rotations applied at run time)"),
+                      ("sparsity_config", "sparse weight storage")):
+        _need(not config.get(key), where, f"{key}: {what} are not served")
     groups = []
     for name, group in (config.get("config_groups") or {}).items():
         at = f"{where} config_groups.{name}"
@@ -139,11 +173,11 @@ def _compressed_tensors(config: dict, where: str) -> PackedQuantization:
               "per token at run time) are not served: this shard keeps activations in the model's dtype; a "
               "weight-only scheme (W4A16, W8A16) is")
         weights = group.get("weights") or {}
-        _need(weights.get("type", "int") == "int" and int(weights.get("num_bits", 0)) in (4, 8), at,
+        _need(weights.get("type", "int") == "int" and _int(weights, "num_bits", at, 0) in (4, 8), at,
               f"weights {weights.get('type')} {weights.get('num_bits')}-bit are not served (int 4 or 8 bits)")
         strategy = weights.get("strategy")
         _need(strategy in ("group", "channel"), at, f"weight strategy {strategy!r} is not served (group, channel)")
-        group_size = int(weights["group_size"]) if strategy == "group" else -1
+        group_size = _int(weights, "group_size", at) if strategy == "group" else -1
         act_order = weights.get("actorder") == "group"  # then its weight_g_idx names each input's group
         groups.append((tuple(group.get("targets") or ()), LayerScheme(
             int(weights["num_bits"]), group_size, symmetric=bool(weights.get("symmetric", True)), act_order=act_order)))

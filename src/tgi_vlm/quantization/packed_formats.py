@@ -97,6 +97,18 @@ def _group_size(layer: PackedLayer, scheme: LayerScheme, in_features: int, scale
     return group
 
 
+def _divides(layer: PackedLayer, suffix: str, count: int, per_word: int, what: str) -> None:
+    if count % per_word:
+        raise PackedCheckpointError(f"{layer.where(suffix)}: the layer's {count} {what} do not fill whole 32-bit words "
+                                    f"of {per_word} codes")
+
+
+def _act_order_index(layer: PackedLayer, scheme: LayerScheme, suffix: str) -> None:
+    if scheme.act_order and suffix not in layer.tensors:
+        raise PackedCheckpointError(f"{layer.where(suffix)}: the config says activation order (desc_act / actorder "
+                                    f"group) but the layer has no {suffix} to say which group each input is in")
+
+
 def _input_order(layer: PackedLayer, suffix: str, groups_of_inputs: torch.Tensor, group: int,
                  groups: int) -> torch.Tensor | None:
     """The column order that makes each group contiguous (None: already in order); refused unless every group then
@@ -116,6 +128,9 @@ def decode_gptq(layer: PackedLayer, scheme: LayerScheme, out_features: int, in_f
     bits, per_word = scheme.bits, 32 // scheme.bits
     group = _group_size(layer, scheme, in_features, "scales")
     groups = in_features // group
+    _divides(layer, "qweight", in_features, per_word, "inputs")
+    _divides(layer, "qzeros", out_features, per_word, "outputs")
+    _act_order_index(layer, scheme, "g_idx")
     words = layer.check_shape("qweight", (in_features // per_word, out_features), f"{bits}-bit codes of a "
                               f"{out_features} x {in_features} layer take")
     scales = layer.check_shape("scales", (groups, out_features), f"{groups} groups of {group} take")
@@ -135,6 +150,7 @@ def decode_awq(layer: PackedLayer, scheme: LayerScheme, out_features: int, in_fe
                source: str) -> GroupedInt8Weight:
     group = _group_size(layer, scheme, in_features, "scales")
     groups = in_features // group
+    _divides(layer, "qweight", out_features, 8, "outputs")
     words = layer.check_shape("qweight", (in_features, out_features // 8), f"4-bit codes of a {out_features} x "
                               f"{in_features} layer take")
     scales = layer.check_shape("scales", (groups, out_features), f"{groups} groups of {group} take")
@@ -159,13 +175,24 @@ def decode_compressed_tensors(layer: PackedLayer, scheme: LayerScheme, out_featu
                                     f"layer is [{out_features}, {in_features}]")
     group = _group_size(layer, scheme, in_features, "weight_scale")
     groups = in_features // group
+    _divides(layer, "weight_packed", in_features, per_word, "inputs")
+    _act_order_index(layer, scheme, "weight_g_idx")
     words = layer.check_shape("weight_packed", (out_features, in_features // per_word), f"{bits}-bit codes of a "
                               f"{out_features} x {in_features} layer take")
     scales = layer.check_shape("weight_scale", (out_features, groups), f"{groups} groups of {group} take")
     center = 1 << (bits - 1)
     q = unpack_along_columns(words, bits) - center
     zeros = None
+    if scheme.symmetric and "weight_zero_point" in layer.tensors:
+        # symmetric: the codes are centred and no zero point is stored; one that is stored must say nothing else
+        stored = layer.tensors["weight_zero_point"]
+        if stored.dtype == torch.int32 and tuple(stored.shape) == (out_features // per_word, groups):
+            stored = unpack_along_rows(stored, bits) - center
+        if stored.numel() and bool(stored.to(torch.int64).ne(0).any()):
+            raise PackedCheckpointError(f"{layer.where('weight_zero_point')}: non-zero zero points for a symmetric "
+                                        f"scheme (the config and the weights disagree)")
     if not scheme.symmetric:
+        _divides(layer, "weight_zero_point", out_features, per_word, "outputs")
         packed = layer.check_shape("weight_zero_point", (out_features // per_word, groups), f"{bits}-bit zero points "
                                    "packed along the outputs take")
         zeros = unpack_along_rows(packed, bits) - center
