@@ -150,6 +150,12 @@ def _gptq(config: dict, where: str) -> PackedQuantization:
     _need(fmt in ("gptq", "gptq_v2"), where, f"GPTQ checkpoint_format {fmt!r} is not served ('gptq', 'gptq_v2')")
     scheme = LayerScheme(bits, _int(config, "group_size", where, 128), symmetric=bool(config.get("sym", True)),
                          act_order=bool(config.get("desc_act", False)))
+    for pattern, override in (config.get("dynamic") or {}).items():  # checked here, at start, not when a layer asks
+        at = f"{where} dynamic[{pattern!r}]"
+        _need(isinstance(override, dict), at, f"an override must be a mapping, got {override!r}")
+        override_bits = _int(override, "bits", at, bits)
+        _need(override_bits in (4, 8), at, f"GPTQ with {override_bits}-bit codes is not served (4 or 8 bits)")
+        _int(override, "group_size", at, 128)
     blocks = config.get("modules_in_block_to_quantize") or ()
     flat = tuple(m for part in blocks for m in (part if isinstance(part, list) else [part]))
     return PackedQuantization("gptq", scheme, where, gptq_zeros_minus_one=fmt == "gptq",
