@@ -138,3 +138,17 @@ def test_the_per_step_plan_is_the_ops_path_bit_for_bit(arch, dtype, monkeypatch)
         if arch == "gemma3":
             assert bool(calls["tgi_vlm::gemma_rms_norm_add"]) == planned
     assert_identical_runs(*runs)
+
+
+def test_gemma3_layers_with_soft_capped_attention_keep_transformers_forward():
+    """The lean attention has no soft-capping: a Gemma 3 config that sets attn_logit_softcapping keeps transformers'
+    layer (whose attention applies it)."""
+    from tgi_vlm.layers.cpu_decoder import install_lean_layers
+
+    engine = load_engine("gemma3")
+    language_model = engine.language_model
+    remove_lean_layers(language_model)
+    for layer in language_model.modules():
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.config.attn_logit_softcapping = 50.0
+    assert install_lean_layers(language_model) == 0

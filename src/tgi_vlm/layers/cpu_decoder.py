@@ -261,6 +261,8 @@ def _parts(layer: torch.nn.Module, native_norm: bool, native_rotary: bool) -> Le
     if gemma3:  # its norms are Gemma's (1 + w) form: the native ones are `gemma_rms_norm`; rotary after the q/k norms
         if getattr(attn, "q_norm", None) is None or getattr(attn, "k_norm", None) is None:
             return None
+        if getattr(attn.config, "attn_logit_softcapping", None):  # the lean attention does not soft-cap its scores
+            return None
     return LeanParts(qkv, gate_up, qkv.widths[0] // head_dim, qkv.widths[1] // head_dim, head_dim, window_of(attn),
                      native_norm, native_rotary, gemma3)
 
