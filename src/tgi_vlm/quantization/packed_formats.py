@@ -109,6 +109,17 @@ def _act_order_index(layer: PackedLayer, scheme: LayerScheme, suffix: str) -> No
                                     f"group) but the layer has no {suffix} to say which group each input is in")
 
 
+def _in_group_order(layer: PackedLayer, suffix: str, q: torch.Tensor, group: int,
+                    groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codes `q` `[out, in]` with their columns in group order where the layer has a group index `suffix` (an
+    activation-order checkpoint), and that order (None: already in order, or no index)."""
+    if suffix not in layer.tensors:
+        return q, None
+    g_idx = layer.check_shape(suffix, (q.shape[1],), "one group index per input")
+    order = _input_order(layer, suffix, g_idx, group, groups)
+    return (q, None) if order is None else (q[:, order], order)
+
+
 def _input_order(layer: PackedLayer, suffix: str, groups_of_inputs: torch.Tensor, group: int,
                  groups: int) -> torch.Tensor | None:
     """The column order that makes each group contiguous (None: already in order); refused unless every group then
@@ -137,12 +148,7 @@ def decode_gptq(layer: PackedLayer, scheme: LayerScheme, out_features: int, in_f
     packed_zeros = layer.check_shape("qzeros", (groups, out_features // per_word), f"{bits}-bit zeros take")
     q = unpack_along_rows(words, bits).t()  # [out, in]
     zeros = unpack_along_columns(packed_zeros, bits).t() + (1 if zeros_minus_one else 0)  # [out, groups]
-    order = None
-    if "g_idx" in layer.tensors:
-        g_idx = layer.check_shape("g_idx", (in_features,), "one group index per input")
-        order = _input_order(layer, "g_idx", g_idx, group, groups)
-    if order is not None:
-        q = q[:, order]
+    q, order = _in_group_order(layer, "g_idx", q, group, groups)
     return grouped_weight(q, zeros, scales.t(), group, bits, source, order)
 
 
@@ -196,12 +202,7 @@ def decode_compressed_tensors(layer: PackedLayer, scheme: LayerScheme, out_featu
         packed = layer.check_shape("weight_zero_point", (out_features // per_word, groups), f"{bits}-bit zero points "
                                    "packed along the outputs take")
         zeros = unpack_along_rows(packed, bits) - center
-    order = None
-    if "weight_g_idx" in layer.tensors:
-        g_idx = layer.check_shape("weight_g_idx", (in_features,), "one group index per input")
-        order = _input_order(layer, "weight_g_idx", g_idx, group, groups)
-    if order is not None:
-        q = q[:, order]
+    q, order = _in_group_order(layer, "weight_g_idx", q, group, groups)
     return grouped_weight(q, zeros, scales, group, bits, source, order, signed=True)
 
 
