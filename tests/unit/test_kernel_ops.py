@@ -181,3 +181,24 @@ def test_rms_norm_refuses_rows_that_are_not_one_strided_run_and_a_weight_of_anot
     with pytest.raises(ValueError, match="rows of H contiguous"):
         ops.rms_norm(torch.randn(2, 64), torch.ones(63), 1e-5)
     assert not ops.can_norm(transposed, torch.ones(64)) and ops.can_norm(torch.randn(4, 128)[:, :64], torch.ones(64))
+
+
+def test_ops_reach_the_dispatcher_under_a_torch_function_mode():
+    """The direct call (ops.DIRECT_CALLS) skips torch's dispatcher only where nothing observes it: a TorchFunctionMode
+    (like the profiler, a dispatch mode or a tracer) sees the op."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, weight = torch.randn(1, 2, 16), torch.ones(16)
+    with Record():
+        try:
+            ops.gemma_rms_norm(x, weight, 1e-6, x)
+        except RuntimeError:
+            pass  # the library may not be built here: the call still went through the op
+    assert any("gemma_rms_norm" in name for name in seen)

@@ -41,8 +41,8 @@ _DTYPE_CODES = library.DTYPE_CODES
 _LIBRARY = torch.library.Library("tgi_vlm", "DEF")
 
 
-# Callers reach a kernel without torch's dispatcher (`_op`) unless the profiler records, a dispatch mode is active
-# (FakeTensorMode) or torch.compile traces: the
+# Callers reach a kernel without torch's dispatcher (`_op`) unless the profiler records, a dispatch or function mode is
+# active (FakeTensorMode) or torch.compile / torch.jit traces: the
 # dispatcher's ~3-10 us per call, over the ~12 op calls of each of Gemma 3 270M's 18 layers, was ~1.5 ms of a ~26 ms
 # batch-1 decode step. The kernel is the same function either way, its checks included. False: always the op.
 DIRECT_CALLS = True
@@ -63,9 +63,12 @@ def _op(schema: str, fake):
         profiler = torch.autograd.profiler
         compiling = torch.compiler.is_compiling
         dispatch_modes = torch._C._len_torch_dispatch_stack  # e.g. FakeTensorMode: the op's fake runs, not the C
+        function_modes = torch._C._is_torch_function_mode_enabled  # e.g. a TorchFunctionMode that records calls
+        jit_tracing = torch.jit.is_tracing
 
         def call(*args, **kwargs):
-            if DIRECT_CALLS and not profiler._is_profiler_enabled and not dispatch_modes() and not compiling():
+            if (DIRECT_CALLS and not profiler._is_profiler_enabled and not dispatch_modes() and not function_modes()
+                    and not compiling() and not jit_tracing()):
                 return kernel(*args, **kwargs)
             return op(*args, **kwargs)
 
