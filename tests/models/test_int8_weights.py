@@ -94,3 +94,21 @@ def test_the_shard_takes_eetq_and_the_packed_methods_and_refuses_other_quantize_
         assert unsupported_features(config, taken, None, None) == []
     problems = unsupported_features(config, value, None, None)
     assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+def test_quantized_weights_of_every_kind_are_refused_on_more_than_one_shard_before_loading(tmp_path):
+    """GGUF files, packed checkpoints and --quantize eetq are served on one shard (their weights are not split
+    across ranks): each refused at start with what it is, before a process group or a load is needed."""
+    from tgi_vlm.config import EngineConfig
+    from tgi_vlm.models import get_model
+    from tgi_vlm.testing.quantized_checkpoints import write_quantized_copy
+    from tgi_vlm.testing.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    gptq = write_quantized_copy(tiny_model_path("llama"), tmp_path / "gptq", "gptq", group=32)
+    cases = [(str(gguf), None, "tiny.gguf: a GGUF file"), (str(gptq), None, "a gptq checkpoint"),
+             (str(tiny_model_path("llama")), "eetq", "--quantize eetq")]
+    for path, quantize, what in cases:
+        config = EngineConfig(device="cpu", dtype="float32", rank=0, world_size=2, quantize=quantize)
+        with pytest.raises(ValueError, match=f"{what} is served on one shard"):
+            get_model(path, config)

@@ -41,15 +41,15 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
     choice = choose_dtype(config, hf_config)
     config = dataclasses.replace(config, dtype=choice.name)  # what actually runs
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[choice.name]
+    packed = None if gguf_file is not None else _packed_checkpoint(model_id, hf_config, config, revision)
+    quantized = (f"{gguf_file.path.name}: a GGUF file" if gguf_file is not None
+                 else f"{model_id}: a {packed.quantization.method} checkpoint" if packed is not None
+                 else f"--quantize {config.quantize}" if config.quantize else None)
+    if quantized is not None and config.world_size > 1:
+        raise ValueError(f"{quantized} is served on one shard (--num-shard 1): quantized weights are not split "
+                         "across ranks")
     # Tensor parallelism (world_size > 1): which heads this rank holds; unsharded, all of them.
     layout = plan_layout(hf_config, config.rank, config.world_size)
-    packed = None if gguf_file is not None else _packed_checkpoint(model_id, hf_config, config, revision)
-    if config.quantize and config.world_size > 1:
-        raise ValueError("--quantize with --num-shard > 1 is not supported: quantized weights are not split across "
-                         "ranks")
-    if gguf_file is not None and config.world_size > 1:
-        raise ValueError(f"{gguf_file.path.name}: a GGUF file is served on one shard (--num-shard 1); its quantized "
-                         "weights are not split across ranks")
     if _is_vision_language(hf_config):
         from tgi_vlm.models.vlm_causal_lm import load_vlm
 
@@ -79,9 +79,6 @@ def _packed_checkpoint(model_id: str, hf_config, config: EngineConfig, revision:
     if packed is not None and config.quantize not in (None, method):
         raise PackedCheckpointError(f"--quantize {config.quantize}: {model_id} is a {method} checkpoint "
                                     f"({packed.quantization.where}); pass --quantize {method} or leave the flag out")
-    if packed is not None and config.world_size > 1:
-        raise PackedCheckpointError(f"{model_id}: a {method} checkpoint is served on one shard (--num-shard 1); its "
-                                    "packed weights are not split across ranks")
     return packed
 
 
