@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.models.reference import assert_matches, hf_greedy
 from tgi_vlm.config import EngineConfig
-from tgi_vlm.layers.linear.grouped import grouped_native_available
+from tgi_vlm.layers.linear.grouped import grouped_native_available, packed_native_available
 from tgi_vlm.layers.quantized_embedding import QuantizedEmbedding
 from tgi_vlm.models import get_model
 from tgi_vlm.testing.harness import Runner, make_request
@@ -69,16 +69,22 @@ def engine_f32(gguf_path):
     return engine_for(gguf_path, "float32")
 
 
+# Codes the native layers hold packed (layers/linear/grouped.py): 4 / 5 bits per code.
+PACKED = {"Q5_0": "+packed5", "Q4_0": "+packed4", "Q4_1": "+packed4", "Q5_1": "+packed5", "Q8_0": ""}
+
+
 def expected_quantized_kernels() -> dict[str, str]:
     """Layer -> kernel name for every linear stored quantized in the served file."""
     native = "+native" if grouped_native_available() else ""
+    packs = native and packed_native_available()
     kinds = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
-    kernels = {"lm_head": f"int8-grouped(gguf {DEFAULT_TYPES['output']}){native}"}
+    packing = {kind: PACKED[block] if packs else "" for kind, block in DEFAULT_TYPES.items()}
+    kernels = {"lm_head": f"int8-grouped(gguf {DEFAULT_TYPES['output']}){native}{packing['output']}"}
     for i in range(LAYERS):
         for layer, kind in kinds.items():
-            kernel = f"int8-grouped(gguf {DEFAULT_TYPES[kind]}){native}"
+            kernel = f"int8-grouped(gguf {DEFAULT_TYPES[kind]}){native}{packing[kind]}"
             fused = kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")
             kernels[f"model.layers.{i}.{layer}"] = f"fused({kernel})" if fused else kernel
     return kernels
@@ -119,7 +125,9 @@ def test_every_quantized_tensor_is_kept_quantized_in_an_int8_grouped_kernel(engi
     assert quantized == expected_quantized_kernels()
     assert set(plan.kernels) == set(quantized)  # every linear of the file is quantized, q/k (rows permuted) too
     native = "+native" if grouped_native_available() else ""
-    gate_up = {f"model.layers.{i}.mlp.gate_proj+up_proj": f"int8-grouped(gguf Q4_1){native}" for i in range(LAYERS)}
+    packed = PACKED["Q4_1"] if native and packed_native_available() else ""
+    gate_up = {f"model.layers.{i}.mlp.gate_proj+up_proj": f"int8-grouped(gguf Q4_1){native}{packed}"
+               for i in range(LAYERS)}
     assert {name: kernel for name, kernel in plan.groups.items() if "gate_proj" in name} == gate_up
     qkv = {f"model.layers.{i}.self_attn.q_proj+k_proj+v_proj": f"int8-grouped(gguf Q8_0){native}" for i in range(LAYERS)}
     assert {name: kernel for name, kernel in plan.groups.items() if "q_proj" in name} == qkv

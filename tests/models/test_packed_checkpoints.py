@@ -32,7 +32,7 @@ from tests.models.reference import assert_matches, hf_greedy
 from tests.models.vlm_reference import hf_inputs
 from tests.unit.test_packed_formats import awq_by_definition, gptq_by_definition
 from tgi_vlm.config import EngineConfig
-from tgi_vlm.layers.linear.grouped import grouped_native_available
+from tgi_vlm.layers.linear.grouped import grouped_native_available, packed_native_available
 from tgi_vlm.models import get_model
 from tgi_vlm.quantization.packed_checkpoint import model_names
 from tgi_vlm.quantization.packed_config import PackedCheckpointError
@@ -44,6 +44,8 @@ N = 16
 IMAGE_PROMPT = (png_bytes(make_test_image(56, 42, seed=1)), "Describe the picture.")
 TEXT_PROMPTS = ["hello world", "the quick brown fox jumps"]
 NATIVE = "+native" if grouped_native_available() else ""
+# 4-bit codes with a zero point are held as q - z (-15..15): packed in 5 bits where the packed ops load.
+PACKED_ASYM = "+packed5" if NATIVE and packed_native_available() else ""
 
 
 def engine_for(path, **overrides):
@@ -143,7 +145,7 @@ def test_a_compressed_tensors_vlm_written_by_the_library_gives_its_de_quantized_
     config = json.loads((ct_qwen / "config.json").read_text())["quantization_config"]
     assert config["format"] == "pack-quantized" and "lm_head" in config["ignore"]
     engine = engine_for(ct_qwen)
-    label = "int8-grouped(compressed-tensors 4-bit g16 asym)" + NATIVE
+    label = "int8-grouped(compressed-tensors 4-bit g16 asym)" + NATIVE + PACKED_ASYM
     assert language_kernels(engine) == {label, f"fused({label})"}
     assert len(engine.linear_plan.groups) == 4 and set(engine.linear_plan.groups.values()) == {label}
     vision = {n: k for n, k in engine.linear_plan.kernels.items() if "visual" in n or n == "lm_head"}
@@ -166,7 +168,7 @@ def test_a_gptq_vlm_in_activation_order_gives_its_de_quantized_models_tokens(tmp
     path = write_quantized_copy(tiny_model_path("qwen2_vl"), tmp_path / "gptq", "gptq", group=32, symmetric=False,
                                 act_order=True)
     engine = engine_for(path, quantize="gptq")
-    label = "int8-grouped(gptq 4-bit g32 asym act-order)" + NATIVE
+    label = "int8-grouped(gptq 4-bit g32 asym act-order)" + NATIVE + PACKED_ASYM
     assert language_kernels(engine) == {label, f"fused({label})"}
     runner = serve_image_prompt(engine)
     reference = float_model_with("qwen2_vl", by_definition(path, "gptq", 32))
@@ -176,7 +178,7 @@ def test_a_gptq_vlm_in_activation_order_gives_its_de_quantized_models_tokens(tmp
 def test_an_awq_text_model_gives_its_de_quantized_models_tokens(tmp_path):
     path = write_quantized_copy(tiny_model_path("llama"), tmp_path / "awq", "awq", group=32, symmetric=False)
     engine = engine_for(path, quantize="awq")
-    label = "int8-grouped(awq 4-bit g32 asym)" + NATIVE
+    label = "int8-grouped(awq 4-bit g32 asym)" + NATIVE + PACKED_ASYM
     assert language_kernels(engine) == {label, f"fused({label})"}
     assert not engine.linear_plan.kernels["lm_head"].startswith(("int8", "fused(int8"))
     runner = serve_text_prompts(engine)

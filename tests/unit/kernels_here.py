@@ -22,9 +22,11 @@ def kernels() -> cpu.CpuKernels:
 
 def needs(op: str) -> pytest.MarkDecorator:
     """Skip where `op` cannot run on this machine, saying why."""
-    state = kernels().state(op)
-    return pytest.mark.skipif(state.library is None and state.unsupported,
-                              reason=f"tgi_vlm::{op} is not available here: {state.reason}")
+    loaded, state = kernels(), kernels().state(op)
+    lacking = state.library is None and state.unsupported
+    lacking_feature = state.library is not None and not loaded.available(op)  # e.g. packed codes without AVX512-BW
+    return pytest.mark.skipif(lacking or lacking_feature,
+                              reason=f"tgi_vlm::{op} is not available here: {loaded.reason(op)}")
 
 
 def require(op: str) -> cpu.CpuKernels:

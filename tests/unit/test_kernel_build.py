@@ -51,7 +51,8 @@ def test_the_portable_kernels_load_on_a_cpu_without_avx512(tmp_path):
     assert [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["tgi_vlm_portable"]  # the other was not built
     assert kernels.summary() == ("native CPU kernels: loaded rotary_and_store, rms_norm, gemma_rms_norm, gemma_rms_norm_add; "
                                  "decode_attention, skinny_linear, skinny_linear_bf16, greedy_logsumexp, "
-                                 "grouped_int8_linear, grouped_int8_dequantize unavailable (this CPU has no AVX-512)")
+                                 "grouped_int8_linear, grouped_int8_dequantize, grouped_packed_linear, "
+                                 "grouped_packed_dequantize unavailable (this CPU has no AVX-512)")
 
 
 def test_without_a_compiler_nothing_loads_and_every_op_says_why(tmp_path):

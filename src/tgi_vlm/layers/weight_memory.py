@@ -19,7 +19,7 @@ def _tensors_of(value) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, GroupedInt8Weight):
-        yield from (t for t in (value.codes, value.scales, value.offsets, value.input_order) if t is not None)
+        yield from value.tensors
 
 
 def _kernel_tensors(kernel) -> Iterator[torch.Tensor]:

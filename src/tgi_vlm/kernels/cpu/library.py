@@ -70,6 +70,11 @@ class Avx512Library:
                                          [_P, _INT, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _INT])
         self.grouped_int8_dequantize = _bind(library, "tgi_vlm_grouped_int8_dequantize",
                                              [_P, _I64, _I64, _P, _P, _I64, _P, _INT, _INT])
+        self.grouped_packed_linear = _bind(library, "tgi_vlm_grouped_packed_linear",
+                                           [_P, _INT, _I64, _I64, _P, _P, _INT, _I64, _P, _P, _I64, _P, _INT])
+        self.grouped_packed_dequantize = _bind(library, "tgi_vlm_grouped_packed_dequantize",
+                                               [_P, _P, _INT, _I64, _I64, _P, _P, _I64, _P, _INT, _INT])
+        self.grouped_packed = bool(library.tgi_vlm_grouped_packed_supported())  # AVX512-BW/VL: packed 4/5-bit codes
         codes = library.tgi_vlm_decode_attention_dtypes()
         self.attention_dtypes = frozenset(dtype for dtype, code in DTYPE_CODES.items() if codes & code)
 
@@ -79,7 +84,9 @@ OP_LIBRARY = {"rotary_and_store": "portable", "rms_norm": "portable", "gemma_rms
               "gemma_rms_norm_add": "portable",
               "decode_attention": "avx512",
               "skinny_linear": "avx512", "skinny_linear_bf16": "avx512", "greedy_logsumexp": "avx512",
-              "grouped_int8_linear": "avx512", "grouped_int8_dequantize": "avx512"}
+              "grouped_int8_linear": "avx512", "grouped_int8_dequantize": "avx512",
+              "grouped_packed_linear": "avx512", "grouped_packed_dequantize": "avx512"}
+_PACKED_OPS = ("grouped_packed_linear", "grouped_packed_dequantize")  # need AVX512-BW/VL too (Avx512Library.grouped_packed)
 _BINDINGS = {"portable": PortableLibrary, "avx512": Avx512Library}
 
 
@@ -113,10 +120,13 @@ class CpuKernels:
         return self.libraries[OP_LIBRARY[op]]
 
     def available(self, op: str) -> bool:
-        return self.state(op).library is not None
+        library = self.state(op).library
+        return library is not None and (op not in _PACKED_OPS or library.grouped_packed)
 
     def reason(self, op: str) -> str | None:
         """Why `op` is not available here (None: it is)."""
+        if self.state(op).library is not None and not self.available(op):
+            return "built without AVX512-BW/VL (byte-wise masked adds)"
         return self.state(op).reason
 
     def summary(self) -> str:

@@ -23,6 +23,7 @@ otherwise.
 | `greedy_logsumexp` | per float32 row: the max's first index, the max, logsumexp | nothing |
 | `grouped_int8_linear` | float32 / bfloat16 x W^T, W as int8 codes with a float32 scale (and offset) per group of inputs | nothing |
 | `grouped_int8_dequantize` | that weight as a float32 / bfloat16 matrix (the format's values; bf16 rounded once) | nothing |
+| `grouped_packed_linear`, `grouped_packed_dequantize` | the same over 4- / 5-bit codes held packed (quantization/packed_codes.py) | nothing |
 | `skinny_linear_bf16` | bfloat16 x W^T + b for 1..`skinny_bf16_max_rows` rows (AMX tiles up to `amx_max_rows`, else AVX512-BF16), W in `blocked_weight_bf16`'s | nothing |
 """
 
@@ -566,10 +567,11 @@ def can_choose_greedily(scores: torch.Tensor) -> bool:
 # ----- grouped int8 weights (quantized checkpoints) -----
 
 def _grouped_problem(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                     group: int) -> str | None:
+                     group: int, *, codes_checked: bool = False) -> str | None:
+    """`codes_checked`: `codes` is a meta-device stand-in for packed codes the caller checked (their shape)."""
     rows_ok = x.dim() == 2 and x.shape[0] >= 1 and x.is_contiguous() and x.dtype in _DTYPE_CODES
     codes_ok = codes.dim() == 2 and codes.dtype == torch.int8 and codes.is_contiguous() and codes.shape[0] >= 1
-    if not (_all_cpu(x, codes, scales, offsets) and rows_ok and codes_ok and group >= 16 and group % 16 == 0
+    if not (_all_cpu(x, None if codes_checked else codes, scales, offsets) and rows_ok and codes_ok and group >= 16 and group % 16 == 0
             and codes.shape[1] == x.shape[1] and x.shape[1] % group == 0 and x.shape[1] >= group):
         return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
                 f"group {group}: CPU tensors, contiguous float32/bfloat16 x, int8 codes [out, in], a group that is a "
@@ -618,6 +620,69 @@ def grouped_int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: 
                                          _DTYPE_CODES[dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"tgi_vlm::grouped_int8_dequantize refused {tuple(codes.shape)}")
+    return out
+
+
+def _packed_problem(nibbles: torch.Tensor, high: torch.Tensor | None, zero: int) -> str | None:
+    if not (nibbles.dim() == 2 and nibbles.dtype == torch.uint8 and nibbles.is_contiguous() and nibbles.shape[0] >= 1
+            and nibbles.shape[1] % 16 == 0 and nibbles.shape[1] >= 16 and zero in (0, 8, 16)):
+        return (f"packed codes must be contiguous uint8 nibbles [out, in / 2] with in a multiple of 32 and zero 0, 8 "
+                f"or 16, got {tuple(nibbles.shape)} {nibbles.dtype}, zero {zero}")
+    if high is not None and not (high.dtype == torch.int32 and high.is_contiguous()
+                                 and tuple(high.shape) == (nibbles.shape[0], nibbles.shape[1] // 16)):
+        return (f"high bits must be contiguous int32 {(nibbles.shape[0], nibbles.shape[1] // 16)}, got "
+                f"{tuple(high.shape)} {high.dtype}")
+    return None
+
+
+def _packed_checks(op: str, x: torch.Tensor, nibbles: torch.Tensor, high: torch.Tensor | None, zero: int,
+                   scales: torch.Tensor, offsets: torch.Tensor | None, group: int) -> None:
+    """The int8 op's checks on the unpacked shape (a zero-size int8 stand-in for the codes), then the packing's."""
+    _refuse(op, _packed_problem(nibbles, high, zero) or (None if _all_cpu(x, nibbles, high) else "CPU tensors only"))
+    stand_in = torch.empty(nibbles.shape[0], nibbles.shape[1] * 2, dtype=torch.int8, device="meta")
+    _refuse(op, _grouped_problem(x, stand_in, scales, offsets, group, codes_checked=True))
+
+
+@_op("grouped_packed_linear(Tensor x, Tensor nibbles, Tensor? high, int zero, Tensor scales, Tensor? offsets, "
+     "int group) -> Tensor",
+     lambda x, nibbles, high, zero, scales, offsets, group: x.new_empty(x.shape[0], nibbles.shape[0]))
+def grouped_packed_linear(x: torch.Tensor, nibbles: torch.Tensor, high: torch.Tensor | None, zero: int,
+                          scales: torch.Tensor, offsets: torch.Tensor | None, group: int) -> torch.Tensor:
+    """`grouped_int8_linear` over codes held packed (quantization/packed_codes.py's layout): the same sums, bit for
+    bit, from 0.5 (4-bit) or 0.625 (5-bit) bytes per code instead of 1."""
+    _packed_checks("grouped_packed_linear", x, nibbles, high, zero, scales, offsets, group)
+    lib = _loaded("grouped_packed_linear")
+    out = torch.empty(x.shape[0], nibbles.shape[0], dtype=x.dtype)
+    status = lib.grouped_packed_linear(x.data_ptr(), _DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], nibbles.data_ptr(),
+                                       None if high is None else high.data_ptr(), zero, nibbles.shape[0],
+                                       scales.data_ptr(), None if offsets is None else offsets.data_ptr(), group,
+                                       out.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("tgi_vlm::grouped_packed_linear: no memory for the float32 copy of x")
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::grouped_packed_linear refused {tuple(x.shape)} x {tuple(nibbles.shape)} packed")
+    return out
+
+
+@_op("grouped_packed_dequantize(Tensor nibbles, Tensor? high, int zero, Tensor scales, Tensor? offsets, int group, "
+     "ScalarType dtype) -> Tensor",
+     lambda nibbles, high, zero, scales, offsets, group, dtype:
+     nibbles.new_empty(nibbles.shape[0], nibbles.shape[1] * 2, dtype=dtype))
+def grouped_packed_dequantize(nibbles: torch.Tensor, high: torch.Tensor | None, zero: int, scales: torch.Tensor,
+                              offsets: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """`grouped_int8_dequantize` over codes held packed."""
+    if dtype not in _DTYPE_CODES:
+        _refuse("grouped_packed_dequantize", f"dtype must be float32 or bfloat16, got {dtype}")
+    probe = torch.empty(1, nibbles.shape[1] * 2 if nibbles.dim() == 2 else 0, dtype=dtype)
+    _packed_checks("grouped_packed_dequantize", probe, nibbles, high, zero, scales, offsets, group)
+    lib = _loaded("grouped_packed_dequantize")
+    out = torch.empty(nibbles.shape[0], nibbles.shape[1] * 2, dtype=dtype)
+    status = lib.grouped_packed_dequantize(nibbles.data_ptr(), None if high is None else high.data_ptr(), zero,
+                                           nibbles.shape[0], nibbles.shape[1] * 2, scales.data_ptr(),
+                                           None if offsets is None else offsets.data_ptr(), group, out.data_ptr(),
+                                           _DTYPE_CODES[dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"tgi_vlm::grouped_packed_dequantize refused {tuple(nibbles.shape)} packed")
     return out
 
 

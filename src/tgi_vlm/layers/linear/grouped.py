@@ -25,6 +25,11 @@ q/k/v and gate/up usually agree).
 
 Sibling projections fuse (q/k/v, gate/up) when their groups agree: the codes, scales and offsets are concatenated
 along the outputs, which is exact (rows of W are independent).
+
+Where the native product computes the layer, codes of 4 or 5 bits are held packed (`PACK_CODES`;
+quantization/packed_codes.py), two to a byte, and the packed ops unpack them in registers: the same sums, bit for
+bit, from 0.5-0.625 bytes per code instead of 1 (decode products are bound by memory). Packing needs inputs in
+multiples of 32 and AVX512-BW/VL; elsewhere codes stay int8.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ import torch.nn.functional as F
 from tgi_vlm.kernels.cpu import ops
 from tgi_vlm.layers.linear.kernels import LinearKernel, PlainWeights
 from tgi_vlm.quantization.grouped import GroupedInt8Weight
+from tgi_vlm.quantization.packed_codes import PackedCodes
 
 NATIVE_MAX_ROWS = 32
+PACK_CODES = True  # hold 4- / 5-bit codes packed where the packed ops load (benchmarks/switch_ab.py flips it)
 DENSE_SLICE_VALUES = 1 << 22  # weights de-quantized at a time above NATIVE_MAX_ROWS (8 MB of bf16)
 
 
@@ -46,6 +53,14 @@ def grouped_native_available(kernels=None) -> bool:
     from tgi_vlm.kernels import cpu as cpu_kernels
 
     return cpu_kernels.load(kernels or KernelSettings()).available("grouped_int8_linear")
+
+
+def packed_native_available(kernels=None) -> bool:
+    """Whether the packed products load here too (AVX512-BW/VL besides the grouped product)."""
+    from tgi_vlm.config import KernelSettings
+    from tgi_vlm.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.load(kernels or KernelSettings()).available("grouped_packed_linear")
 
 
 def quantized_weight_of(module: torch.nn.Module) -> GroupedInt8Weight | None:
@@ -64,7 +79,10 @@ class GroupedInt8Linear(LinearKernel):
         self.weight = weight
         self.bias = source.bias()
         self.native = native and weight.group % 16 == 0
-        self.name = f"int8-grouped({weight.source}){'+native' if self.native else ''}"
+        if self.native and PACK_CODES and self.in_features % 32 == 0 and packed_native_available():
+            weight.store_packed()  # in place: an embedding sharing the weight reads the packed codes too
+        packing = f"+packed{weight.codes.bits}" if isinstance(weight.codes, PackedCodes) else ""
+        self.name = f"int8-grouped({weight.source}){'+native' if self.native else ''}{packing}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -73,7 +91,11 @@ class GroupedInt8Linear(LinearKernel):
         rows = flat.shape[0]
         if self.native and 1 <= rows <= NATIVE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
             w = self.weight
-            out = ops.grouped_int8_linear(flat.contiguous(), w.codes, w.scales, w.offsets, w.group)
+            if isinstance(w.codes, PackedCodes):
+                out = ops.grouped_packed_linear(flat.contiguous(), w.codes.nibbles, w.codes.high, w.codes.zero,
+                                                w.scales, w.offsets, w.group)
+            else:
+                out = ops.grouped_int8_linear(flat.contiguous(), w.codes, w.scales, w.offsets, w.group)
             if self.bias is not None:
                 out += self.bias
         else:
@@ -86,9 +108,13 @@ class GroupedInt8Linear(LinearKernel):
         parts = []
         for start in range(0, self.out_features, step):
             part = slice(start, start + step)
-            if self.native and flat.dtype in (torch.float32, torch.bfloat16):
-                dense = ops.grouped_int8_dequantize(w.codes[part], w.scales[part],
-                                                    None if w.offsets is None else w.offsets[part], w.group, flat.dtype)
+            offsets = None if w.offsets is None else w.offsets[part]
+            if self.native and flat.dtype in (torch.float32, torch.bfloat16) and isinstance(w.codes, PackedCodes):
+                codes = w.codes.rows(part)
+                dense = ops.grouped_packed_dequantize(codes.nibbles, codes.high, codes.zero, w.scales[part], offsets,
+                                                      w.group, flat.dtype)
+            elif self.native and flat.dtype in (torch.float32, torch.bfloat16):
+                dense = ops.grouped_int8_dequantize(w.codes[part], w.scales[part], offsets, w.group, flat.dtype)
             else:
                 dense = w.dequantize(rows=part, stored_order=True).to(flat.dtype)
             parts.append(F.linear(flat, dense, None if self.bias is None else self.bias[part]))
@@ -105,8 +131,10 @@ class GroupedInt8Linear(LinearKernel):
     def fused_over(self, source: PlainWeights) -> LinearKernel:
         parts = [m.linear_kernel.weight for m in source.modules]
         sources = sorted({p.source for p in parts})
+        packed = [p.codes for p in parts if isinstance(p.codes, PackedCodes)]
+        codes = PackedCodes.cat(packed) if len(packed) == len(parts) else None
         fused = GroupedInt8Weight(
-            codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
+            codes=codes if codes is not None else torch.cat([p.int8_codes() for p in parts]), scales=torch.cat([p.scales for p in parts]),
             offsets=None if parts[0].offsets is None else torch.cat([p.offsets for p in parts]),
             group=parts[0].group, source="+".join(sources), input_order=parts[0].input_order)
         return GroupedInt8Linear(source, fused, native=self.native)

@@ -14,6 +14,12 @@
    value; the offsets' term (sum over groups of offset times the group's sum of x) subtracted last. bf16 x of 12..32
    rows on AMX: the weight (offsets folded in) rounded to bf16 first (see amx_grouped).
 
+   Codes of 4 or 5 bits may be stored packed (`Codes`, packed layout): per 32 inputs k0.., 16 bytes whose byte j holds
+   code k0 + j + zero in its low nibble and code k0 + 16 + j + zero in its high one (the layout of a GGUF Q4_0 / Q5_0
+   block's quants), and for 5-bit codes a 32-bit word whose bit j is bit 4 of code k0 + j + zero. A Q5_0 weight is then
+   read at 0.625 bytes per weight instead of 1 (the decode products are bound by memory), unpacked to the same int8
+   codes in registers (three to five byte operations per 16 codes), and summed exactly as above.
+
    Work: blocks of OUT_BLOCK outputs shared out by OpenMP over the thread pool torch uses; in a block, tiles of up
    to ROW_TILE rows; in a tile, each output's codes are converted to float32 once per 16 inputs and used for every
    row of the tile (the block's codes stay in L1/L2 for the next tile). */
@@ -33,6 +39,48 @@
 #if defined(__AVX512F__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* A weight's codes: int8 `bytes` [out, in], or packed (`nibbles` [out, in / 2], `high` [out, in / 32] or NULL for
+   4-bit codes, `zero` added to every code before it was packed). */
+typedef struct {
+    const int8_t* bytes;
+    const uint8_t* nibbles;
+    const uint32_t* high;
+    int zero;
+    int64_t in;
+} Codes;
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PACKED_CODES 1
+#else
+#define PACKED_CODES 0
+#endif
+
+/* The 16 codes of output o for inputs [k, k + 16) (k a multiple of 16), as int8; prefetches the stream ahead. PACKED
+   is a literal at every call, so each caller compiles to one layout's loop. */
+ALWAYS_INLINE __m128i codes16(const int PACKED, const Codes* c, int64_t o, int64_t k) {
+#if PACKED_CODES
+    if (PACKED) {
+        const uint8_t* p = c->nibbles + o * (c->in / 2) + (k >> 5) * 16;
+        _mm_prefetch((const char*)p + PREFETCH_BYTES / 2, _MM_HINT_T1);
+        __m128i v = _mm_loadu_si128((const __m128i*)p);
+        if (k & 16) v = _mm_srli_epi16(v, 4);
+        v = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+        if (c->high != NULL) {
+            const uint32_t h = c->high[o * (c->in / 32) + (k >> 5)];
+            v = _mm_mask_add_epi8(v, (__mmask16)((k & 16) ? h >> 16 : h & 0xFFFFu), v, _mm_set1_epi8(16));
+        }
+        return _mm_sub_epi8(v, _mm_set1_epi8((char)c->zero));
+    }
+#endif
+    const int8_t* p = c->bytes + o * c->in + k;
+    _mm_prefetch((const char*)p + PREFETCH_BYTES, _MM_HINT_T1);
+    return _mm_loadu_si128((const __m128i*)p);
+}
+
+ALWAYS_INLINE __m512 code_floats(const int PACKED, const Codes* c, int64_t o, int64_t k) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes16(PACKED, c, o, k)));
+}
+
 /* R rows of x (float32, row stride `in`) against NO consecutive outputs' codes (row stride `in`); each output's
    results, before the offsets' term, in res[o * ROW_TILE + r]. Several outputs at once keep independent FMA
    chains in flight when there are few rows (one row, one output: every group waited on the last one's sum).
@@ -42,8 +90,9 @@
    16 weights: 26 vs 33 us for a cached 640 x 1024 weight, one row); `dot_rows_scaled` (3 rows and more) scales the
    codes first (scale * code, the format's exact float32 weight) and adds x * w straight into the totals: one FMA
    per row per 16 weights instead of one and a part, once the conversion is shared by enough rows. */
-ALWAYS_INLINE void dot_rows_grouped(const int R, const int NO, const float* x, int64_t in, const int8_t* codes,
-                            const float* scales, int64_t groups, int64_t group, float* res) {
+ALWAYS_INLINE void dot_rows_grouped(const int PACKED, const int R, const int NO, const float* x, int64_t in,
+                                    const Codes* codes, int64_t o0, const float* scales, int64_t groups, int64_t group,
+                                    float* res) {
     __m512 total[4][ROW_TILE];
 #pragma GCC unroll 4
     for (int o = 0; o < NO; ++o)
@@ -55,10 +104,7 @@ ALWAYS_INLINE void dot_rows_grouped(const int R, const int NO, const float* x, i
             const int64_t k = g * group + c;
             __m512 w[4];
 #pragma GCC unroll 4
-            for (int o = 0; o < NO; ++o) {
-                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T1);
-                w[o] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + o * in + k))));
-            }
+            for (int o = 0; o < NO; ++o) w[o] = code_floats(PACKED, codes, o0 + o, k);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m512 xv = _mm512_loadu_ps(x + r * in + k);
@@ -80,8 +126,9 @@ ALWAYS_INLINE void dot_rows_grouped(const int R, const int NO, const float* x, i
         for (int r = 0; r < R; ++r) res[o * ROW_TILE + r] = _mm512_reduce_add_ps(total[o][r]);
 }
 
-ALWAYS_INLINE void dot_rows_scaled(const int R, const int NO, const float* x, int64_t in, const int8_t* codes,
-                            const float* scales, int64_t groups, int64_t group, float* res) {
+ALWAYS_INLINE void dot_rows_scaled(const int PACKED, const int R, const int NO, const float* x, int64_t in,
+                                   const Codes* codes, int64_t o0, const float* scales, int64_t groups, int64_t group,
+                                   float* res) {
     __m512 total[4][ROW_TILE];
 #pragma GCC unroll 4
     for (int o = 0; o < NO; ++o)
@@ -95,11 +142,7 @@ ALWAYS_INLINE void dot_rows_scaled(const int R, const int NO, const float* x, in
             const int64_t k = g * group + c;
             __m512 w[4]; /* the weight itself, scale * code: exactly the format's float32 value */
 #pragma GCC unroll 4
-            for (int o = 0; o < NO; ++o) {
-                _mm_prefetch((const char*)(codes + o * in + k) + PREFETCH_BYTES, _MM_HINT_T1);
-                const __m128i q = _mm_loadu_si128((const __m128i*)(codes + o * in + k));
-                w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s[o]);
-            }
+            for (int o = 0; o < NO; ++o) w[o] = _mm512_mul_ps(code_floats(PACKED, codes, o0 + o, k), s[o]);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m512 xv = _mm512_loadu_ps(x + r * in + k);
@@ -116,37 +159,54 @@ ALWAYS_INLINE void dot_rows_scaled(const int R, const int NO, const float* x, in
 
 /* Outputs [o, o + NO) for R rows: res[(o - first) * ROW_TILE + r]. */
 #define DOT(R_, NO_)                                                                                               \
-    ((R_) <= 2 ? dot_rows_grouped(R_, NO_, x, in, codes + o * in, scales + o * groups, groups, group, res)          \
-               : dot_rows_scaled(R_, NO_, x, in, codes + o * in, scales + o * groups, groups, group, res))
-static void outputs(int R, int NO, const float* x, int64_t in, const int8_t* codes, const float* scales,
+    ((R_) <= 2 ? dot_rows_grouped(PACKED, R_, NO_, x, in, codes, o, scales + o * groups, groups, group, res)       \
+               : dot_rows_scaled(PACKED, R_, NO_, x, in, codes, o, scales + o * groups, groups, group, res))
+#define DEFINE_OUTPUTS(NAME, PACKED_VALUE)                                                                         \
+    static void NAME(int R, int NO, const float* x, int64_t in, const Codes* codes, const float* scales,            \
+                     int64_t groups, int64_t group, int64_t o, float* res) {                                       \
+        const int PACKED = PACKED_VALUE;                                                                           \
+        if (NO == 4) { /* 1..4 rows */                                                                             \
+            switch (R) { /* literal R and NO: dot_rows unrolls and keeps its accumulators in registers */          \
+                case 4: DOT(4, 4); return;                                                                         \
+                case 3: DOT(3, 4); return;                                                                         \
+                case 2: DOT(2, 4); return;                                                                         \
+                default: DOT(1, 4); return;                                                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (NO == 2) { /* block() takes two outputs at a time only for 5..8 rows */                                \
+            switch (R) {                                                                                           \
+                case 8: DOT(8, 2); return;                                                                         \
+                case 7: DOT(7, 2); return;                                                                         \
+                case 6: DOT(6, 2); return;                                                                         \
+                default: DOT(5, 2); return;                                                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+        switch (R) { /* one output: a block's last outputs when fewer than NO are left */                          \
+            case 8: DOT(8, 1); return;                                                                             \
+            case 7: DOT(7, 1); return;                                                                             \
+            case 6: DOT(6, 1); return;                                                                             \
+            case 5: DOT(5, 1); return;                                                                             \
+            case 4: DOT(4, 1); return;                                                                             \
+            case 3: DOT(3, 1); return;                                                                             \
+            case 2: DOT(2, 1); return;                                                                             \
+            default: DOT(1, 1); return;                                                                            \
+        }                                                                                                          \
+    }
+DEFINE_OUTPUTS(outputs_int8, 0)
+#if PACKED_CODES
+DEFINE_OUTPUTS(outputs_packed, 1)
+#endif
+static void outputs(int R, int NO, const float* x, int64_t in, const Codes* codes, const float* scales,
                     int64_t groups, int64_t group, int64_t o, float* res) {
-    if (NO == 4) { /* 1..4 rows */
-        switch (R) { /* literal R and NO: dot_rows unrolls and keeps its accumulators in registers */
-            case 4: DOT(4, 4); return;
-            case 3: DOT(3, 4); return;
-            case 2: DOT(2, 4); return;
-            default: DOT(1, 4); return;
-        }
+#if PACKED_CODES
+    if (codes->nibbles != NULL) {
+        outputs_packed(R, NO, x, in, codes, scales, groups, group, o, res);
+        return;
     }
-    if (NO == 2) { /* block() takes two outputs at a time only for 5..8 rows */
-        switch (R) {
-            case 8: DOT(8, 2); return;
-            case 7: DOT(7, 2); return;
-            case 6: DOT(6, 2); return;
-            default: DOT(5, 2); return;
-        }
-    }
-    switch (R) { /* one output: a block's last outputs when fewer than NO are left */
-        case 8: DOT(8, 1); return;
-        case 7: DOT(7, 1); return;
-        case 6: DOT(6, 1); return;
-        case 5: DOT(5, 1); return;
-        case 4: DOT(4, 1); return;
-        case 3: DOT(3, 1); return;
-        case 2: DOT(2, 1); return;
-        default: DOT(1, 1); return;
-    }
+#endif
+    outputs_int8(R, NO, x, in, codes, scales, groups, group, o, res);
 }
+#undef DEFINE_OUTPUTS
 #undef DOT
 
 /* Up to 16 float32 values -> bfloat16, rounded to nearest even (NaN kept a NaN), stored at y. */
@@ -162,7 +222,7 @@ static inline void store_bf16(uint16_t* y, const float* values, int count) {
 }
 
 /* One block of outputs [first, last) for rows [r0, r0 + R): the products, the offsets' term, the stores. */
-static void block(int R, const float* x, int dtype, int64_t r0, int64_t in, const int8_t* codes, const float* scales,
+static void block(int R, const float* x, int dtype, int64_t r0, int64_t in, const Codes* codes, const float* scales,
                   const float* offsets, const float* xsum, int64_t groups, int64_t group, int64_t first, int64_t last,
                   int64_t out, void* y) {
     float res[OUT_BLOCK * ROW_TILE]; /* [output - first][row] */
@@ -217,21 +277,21 @@ static void configure_tiles(void) {
 }
 
 /* Outputs [o0, o0 + 16) (fewer at the end: the missing ones zero) for inputs [k0, k0 + 32) as bf16 into a[16][32]. */
-static inline void weight_tile(const int8_t* codes, const float* scales, const float* offsets, int64_t in,
+static inline void weight_tile(const Codes* codes, const float* scales, const float* offsets, int64_t in,
                                int64_t groups, int64_t group, int64_t o0, int64_t count, int64_t k0, uint16_t* a) {
+    (void)in;
     for (int64_t i = 0; i < 16; ++i) {
         if (i >= count) {
             memset(a + i * 32, 0, 64);
             continue;
         }
         const int64_t o = o0 + i;
-        const int8_t* c = codes + o * in + k0;
-        _mm_prefetch((const char*)c + PREFETCH_BYTES, _MM_HINT_T1);
+        const int packed = codes->nibbles != NULL;
         const int64_t g0 = k0 / group, g1 = (k0 + 16) / group;
-        __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)c))),
-                                  _mm512_set1_ps(scales[o * groups + g0]));
-        __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16)))),
-                                  _mm512_set1_ps(scales[o * groups + g1]));
+        const __m512 c0 = packed ? code_floats(1, codes, o, k0) : code_floats(0, codes, o, k0);
+        const __m512 c1 = packed ? code_floats(1, codes, o, k0 + 16) : code_floats(0, codes, o, k0 + 16);
+        __m512 w0 = _mm512_mul_ps(c0, _mm512_set1_ps(scales[o * groups + g0]));
+        __m512 w1 = _mm512_mul_ps(c1, _mm512_set1_ps(scales[o * groups + g1]));
         if (offsets != NULL) {
             w0 = _mm512_sub_ps(w0, _mm512_set1_ps(offsets[o * groups + g0]));
             w1 = _mm512_sub_ps(w1, _mm512_set1_ps(offsets[o * groups + g1]));
@@ -240,7 +300,7 @@ static inline void weight_tile(const int8_t* codes, const float* scales, const f
     }
 }
 
-static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
+static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const Codes* codes, int64_t out,
                        const float* scales, const float* offsets, int64_t group, uint16_t* y, int threads) {
     const int64_t groups = in / group, pairs = in / 2;
     /* x as B tiles: xt[k / 2][row][k % 2], rows padded to 32 with zeros (two B tiles of 16 rows) */
@@ -295,7 +355,7 @@ static int amx_takes(int dtype, int64_t rows, int64_t in) {
     (void)dtype, (void)rows, (void)in;
     return 0;
 }
-static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
+static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const Codes* codes, int64_t out,
                        const float* scales, const float* offsets, int64_t group, uint16_t* y, int threads) {
     (void)x, (void)rows, (void)in, (void)codes, (void)out, (void)scales, (void)offsets, (void)group, (void)y;
     (void)threads;
@@ -303,10 +363,10 @@ static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const int8_t
 }
 #endif
 
-/* x [rows, in] (dtype), codes [out, in] int8, scales / offsets [out, in / group] float32 (offsets may be NULL),
-   y [rows, out] (dtype). Returns 0, -1 for inputs it does not take, -2 without memory for its float32 copy of x. */
-int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
-                                const float* scales, const float* offsets, int64_t group, void* y, int threads) {
+/* x [rows, in] (dtype) times the weight of `codes`, scales / offsets [out, in / group] float32 (offsets may be NULL),
+   into y [rows, out] (dtype). Returns 0, -1 for inputs it does not take, -2 without memory for its float32 copy of x. */
+static int grouped_linear(const void* x, int dtype, int64_t rows, int64_t in, const Codes* codes, int64_t out,
+                          const float* scales, const float* offsets, int64_t group, void* y, int threads) {
     if (rows < 1 || out < 1 || group < 16 || group % 16 != 0 || in < group || in % group != 0
         || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
         return -1;
@@ -354,21 +414,22 @@ int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t 
    difference, rounded as the gguf package rounds them), written as float32 or bfloat16 (rounded once) into y
    [out, in]: prefill-sized products multiply it with torch's kernels. Returns 0, or -1 for inputs it does not
    take. */
-int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in, const float* scales,
-                                    const float* offsets, int64_t group, void* y, int dtype, int threads) {
+static int grouped_dequantize(const Codes* codes, int64_t out, int64_t in, const float* scales, const float* offsets,
+                              int64_t group, void* y, int dtype, int threads) {
     if (out < 1 || group < 16 || group % 16 != 0 || in < group || in % group != 0
         || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
         return -1;
     const int64_t groups = in / group;
+    const int packed = codes->nibbles != NULL;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t o = 0; o < out; ++o) {
         for (int64_t g = 0; g < groups; ++g) {
             const __m512 s = _mm512_set1_ps(scales[o * groups + g]);
             const __m512 m = _mm512_set1_ps(offsets != NULL ? offsets[o * groups + g] : 0.0f);
             for (int64_t c = 0; c < group; c += 16) {
-                const int64_t at = o * in + g * group + c;
-                const __m128i q = _mm_loadu_si128((const __m128i*)(codes + at));
-                __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s);
+                const int64_t k = g * group + c, at = o * in + k;
+                const __m512 q = packed ? code_floats(1, codes, o, k) : code_floats(0, codes, o, k);
+                __m512 w = _mm512_mul_ps(q, s);
                 if (offsets != NULL) w = _mm512_sub_ps(w, m);
                 if (dtype == DTYPE_FLOAT32) {
                     _mm512_storeu_ps((float*)y + at, w);
@@ -382,6 +443,40 @@ int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in
     }
     return 0;
 }
+
+/* codes [out, in] int8. */
+int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
+                                const float* scales, const float* offsets, int64_t group, void* y, int threads) {
+    const Codes c = {codes, NULL, NULL, 0, in};
+    return grouped_linear(x, dtype, rows, in, &c, out, scales, offsets, group, y, threads);
+}
+
+int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in, const float* scales,
+                                    const float* offsets, int64_t group, void* y, int dtype, int threads) {
+    const Codes c = {codes, NULL, NULL, 0, in};
+    return grouped_dequantize(&c, out, in, scales, offsets, group, y, dtype, threads);
+}
+
+/* Whether this build reads packed codes (AVX512-BW and -VL: byte-wise masked adds). */
+int tgi_vlm_grouped_packed_supported(void) { return PACKED_CODES; }
+
+/* Packed codes (see the top of this file): nibbles [out, in / 2], high [out, in / 32] or NULL, in a multiple of 32,
+   zero 0..16. Otherwise as tgi_vlm_grouped_int8_linear. */
+int tgi_vlm_grouped_packed_linear(const void* x, int dtype, int64_t rows, int64_t in, const uint8_t* nibbles,
+                                  const uint32_t* high, int zero, int64_t out, const float* scales,
+                                  const float* offsets, int64_t group, void* y, int threads) {
+    if (!PACKED_CODES || in % 32 != 0 || zero < 0 || zero > 16 || nibbles == NULL) return -1;
+    const Codes c = {NULL, nibbles, high, zero, in};
+    return grouped_linear(x, dtype, rows, in, &c, out, scales, offsets, group, y, threads);
+}
+
+int tgi_vlm_grouped_packed_dequantize(const uint8_t* nibbles, const uint32_t* high, int zero, int64_t out, int64_t in,
+                                      const float* scales, const float* offsets, int64_t group, void* y, int dtype,
+                                      int threads) {
+    if (!PACKED_CODES || in % 32 != 0 || zero < 0 || zero > 16 || nibbles == NULL) return -1;
+    const Codes c = {NULL, nibbles, high, zero, in};
+    return grouped_dequantize(&c, out, in, scales, offsets, group, y, dtype, threads);
+}
 #else /* no AVX-512: not built into a library that loads (build.py), kept so the file always compiles */
 int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t in, const int8_t* codes, int64_t out,
                                 const float* scales, const float* offsets, int64_t group, void* y, int threads) {
@@ -392,6 +487,21 @@ int tgi_vlm_grouped_int8_linear(const void* x, int dtype, int64_t rows, int64_t 
 int tgi_vlm_grouped_int8_dequantize(const int8_t* codes, int64_t out, int64_t in, const float* scales,
                                     const float* offsets, int64_t group, void* y, int dtype, int threads) {
     (void)codes, (void)out, (void)in, (void)scales, (void)offsets, (void)group, (void)y, (void)dtype, (void)threads;
+    return -1;
+}
+int tgi_vlm_grouped_packed_supported(void) { return 0; }
+int tgi_vlm_grouped_packed_linear(const void* x, int dtype, int64_t rows, int64_t in, const uint8_t* nibbles,
+                                  const uint32_t* high, int zero, int64_t out, const float* scales,
+                                  const float* offsets, int64_t group, void* y, int threads) {
+    (void)x, (void)dtype, (void)rows, (void)in, (void)nibbles, (void)high, (void)zero, (void)out, (void)scales;
+    (void)offsets, (void)group, (void)y, (void)threads;
+    return -1;
+}
+int tgi_vlm_grouped_packed_dequantize(const uint8_t* nibbles, const uint32_t* high, int zero, int64_t out, int64_t in,
+                                      const float* scales, const float* offsets, int64_t group, void* y, int dtype,
+                                      int threads) {
+    (void)nibbles, (void)high, (void)zero, (void)out, (void)in, (void)scales, (void)offsets, (void)group, (void)y;
+    (void)dtype, (void)threads;
     return -1;
 }
 #endif
