@@ -81,6 +81,32 @@ ALWAYS_INLINE __m512 code_floats(const int PACKED, const Codes* c, int64_t o, in
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes16(PACKED, c, o, k)));
 }
 
+/* The 32 codes of output o for inputs [k, k + 32) (k a multiple of 32) as float32: packed ones from one load of their
+   16 bytes and one high-bit word. */
+ALWAYS_INLINE void code_floats32(const int PACKED, const Codes* c, int64_t o, int64_t k, __m512* first,
+                                 __m512* second) {
+#if PACKED_CODES
+    if (PACKED) {
+        const uint8_t* p = c->nibbles + o * (c->in / 2) + (k >> 5) * 16;
+        _mm_prefetch((const char*)p + PREFETCH_BYTES / 2, _MM_HINT_T1);
+        const __m128i v = _mm_loadu_si128((const __m128i*)p), low = _mm_set1_epi8(0x0F);
+        __m128i a = _mm_and_si128(v, low), b = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        if (c->high != NULL) {
+            const uint32_t h = c->high[o * (c->in / 32) + (k >> 5)];
+            const __m128i sixteen = _mm_set1_epi8(16);
+            a = _mm_mask_add_epi8(a, (__mmask16)(h & 0xFFFFu), a, sixteen);
+            b = _mm_mask_add_epi8(b, (__mmask16)(h >> 16), b, sixteen);
+        }
+        const __m128i zero = _mm_set1_epi8((char)c->zero);
+        *first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(a, zero)));
+        *second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(b, zero)));
+        return;
+    }
+#endif
+    *first = code_floats(0, c, o, k);
+    *second = code_floats(0, c, o, k + 16);
+}
+
 /* R rows of x (float32, row stride `in`) against NO consecutive outputs' codes (row stride `in`); each output's
    results, before the offsets' term, in res[o * ROW_TILE + r]. Several outputs at once keep independent FMA
    chains in flight when there are few rows (one row, one output: every group waited on the last one's sum).
@@ -100,7 +126,23 @@ ALWAYS_INLINE void dot_rows_grouped(const int PACKED, const int R, const int NO,
         for (int r = 0; r < R; ++r) total[o][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         __m512 part[4][ROW_TILE]; /* x times codes over the group; times its scale once, into total */
-        for (int64_t c = 0; c < group; c += 16) {
+        /* groups of 32s: codes two vectors at a time (packed: one load), summed in the same order */
+        for (int64_t c = 0; (group & 31) == 0 && c < group; c += 32) {
+            const int64_t k = g * group + c;
+            __m512 w[4], v[4];
+#pragma GCC unroll 4
+            for (int o = 0; o < NO; ++o) code_floats32(PACKED, codes, o0 + o, k, &w[o], &v[o]);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512 xv = _mm512_loadu_ps(x + r * in + k), xw = _mm512_loadu_ps(x + r * in + k + 16);
+#pragma GCC unroll 4
+                for (int o = 0; o < NO; ++o) {
+                    part[o][r] = c == 0 ? _mm512_mul_ps(xv, w[o]) : _mm512_fmadd_ps(xv, w[o], part[o][r]);
+                    part[o][r] = _mm512_fmadd_ps(xw, v[o], part[o][r]);
+                }
+            }
+        }
+        for (int64_t c = 0; (group & 31) != 0 && c < group; c += 16) {
             const int64_t k = g * group + c;
             __m512 w[4];
 #pragma GCC unroll 4
@@ -286,10 +328,12 @@ static inline void weight_tile(const Codes* codes, const float* scales, const fl
             continue;
         }
         const int64_t o = o0 + i;
-        const int packed = codes->nibbles != NULL;
         const int64_t g0 = k0 / group, g1 = (k0 + 16) / group;
-        const __m512 c0 = packed ? code_floats(1, codes, o, k0) : code_floats(0, codes, o, k0);
-        const __m512 c1 = packed ? code_floats(1, codes, o, k0 + 16) : code_floats(0, codes, o, k0 + 16);
+        __m512 c0, c1;
+        if (codes->nibbles != NULL)
+            code_floats32(1, codes, o, k0, &c0, &c1);
+        else
+            code_floats32(0, codes, o, k0, &c0, &c1);
         __m512 w0 = _mm512_mul_ps(c0, _mm512_set1_ps(scales[o * groups + g0]));
         __m512 w1 = _mm512_mul_ps(c1, _mm512_set1_ps(scales[o * groups + g1]));
         if (offsets != NULL) {
