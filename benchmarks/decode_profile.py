@@ -40,7 +40,8 @@ from tgi_vlm.testing.machine import machine
 RESULTS = Path(__file__).parent / "results"
 PROMPT_TOKENS = 128
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear",
-               "tgi_vlm::skinny_linear", "tgi_vlm::skinny_linear_bf16", "aten::matmul", "tgi_vlm::grouped_int8_linear")
+               "tgi_vlm::skinny_linear", "tgi_vlm::skinny_linear_bf16", "aten::matmul", "tgi_vlm::grouped_int8_linear",
+               "tgi_vlm::grouped_packed_linear")
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[str]:

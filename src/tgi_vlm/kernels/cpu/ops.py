@@ -567,16 +567,22 @@ def can_choose_greedily(scores: torch.Tensor) -> bool:
 # ----- grouped int8 weights (quantized checkpoints) -----
 
 def _grouped_problem(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                     group: int, *, codes_checked: bool = False) -> str | None:
-    """`codes_checked`: `codes` is a meta-device stand-in for packed codes the caller checked (their shape)."""
+                     group: int) -> str | None:
+    codes_ok = codes.dim() == 2 and codes.dtype == torch.int8 and codes.is_contiguous() and codes.is_cpu
+    return _grouped_shape_problem(x, tuple(codes.shape) if codes_ok else None, scales, offsets, group,
+                                  f"int8 codes {tuple(codes.shape)} {codes.dtype}")
+
+
+def _grouped_shape_problem(x: torch.Tensor, shape: tuple[int, ...] | None, scales: torch.Tensor,
+                           offsets: torch.Tensor | None, group: int, codes: str) -> str | None:
+    """x, scales and offsets against a weight of `shape` `[out, in]` (None: its codes are not fit to run)."""
     rows_ok = x.dim() == 2 and x.shape[0] >= 1 and x.is_contiguous() and x.dtype in _DTYPE_CODES
-    codes_ok = codes.dim() == 2 and codes.dtype == torch.int8 and codes.is_contiguous() and codes.shape[0] >= 1
-    if not (_all_cpu(x, None if codes_checked else codes, scales, offsets) and rows_ok and codes_ok and group >= 16 and group % 16 == 0
-            and codes.shape[1] == x.shape[1] and x.shape[1] % group == 0 and x.shape[1] >= group):
-        return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, codes {tuple(codes.shape)} {codes.dtype}, "
+    if not (shape is not None and _all_cpu(x, scales, offsets) and rows_ok and shape[0] >= 1 and group >= 16
+            and group % 16 == 0 and shape[1] == x.shape[1] and x.shape[1] % group == 0 and x.shape[1] >= group):
+        return (f"inconsistent inputs (x {tuple(x.shape)} {x.dtype}, {codes}, "
                 f"group {group}: CPU tensors, contiguous float32/bfloat16 x, int8 codes [out, in], a group that is a "
                 f"multiple of 16 dividing in)")
-    groups = (codes.shape[0], codes.shape[1] // group)
+    groups = (shape[0], shape[1] // group)
     for name, t in (("scales", scales), ("offsets", offsets)):
         if t is not None and not (t.dtype == torch.float32 and tuple(t.shape) == groups and t.is_contiguous()):
             return f"{name} must be contiguous float32 {groups}, got {tuple(t.shape)} {t.dtype}"
@@ -637,10 +643,10 @@ def _packed_problem(nibbles: torch.Tensor, high: torch.Tensor | None, zero: int)
 
 def _packed_checks(op: str, x: torch.Tensor, nibbles: torch.Tensor, high: torch.Tensor | None, zero: int,
                    scales: torch.Tensor, offsets: torch.Tensor | None, group: int) -> None:
-    """The int8 op's checks on the unpacked shape (a zero-size int8 stand-in for the codes), then the packing's."""
-    _refuse(op, _packed_problem(nibbles, high, zero) or (None if _all_cpu(x, nibbles, high) else "CPU tensors only"))
-    stand_in = torch.empty(nibbles.shape[0], nibbles.shape[1] * 2, dtype=torch.int8, device="meta")
-    _refuse(op, _grouped_problem(x, stand_in, scales, offsets, group, codes_checked=True))
+    """The packing's checks, then the int8 op's on the unpacked shape."""
+    _refuse(op, _packed_problem(nibbles, high, zero) or (None if _all_cpu(nibbles, high) else "CPU tensors only"))
+    _refuse(op, _grouped_shape_problem(x, (nibbles.shape[0], nibbles.shape[1] * 2), scales, offsets, group,
+                                       f"packed codes of {(nibbles.shape[0], nibbles.shape[1] * 2)}"))
 
 
 @_op("grouped_packed_linear(Tensor x, Tensor nibbles, Tensor? high, int zero, Tensor scales, Tensor? offsets, "
