@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tgi_vlm.layers.attention.backend import AttentionBackend
 from tgi_vlm.layers.attention.metadata import AttentionMetadata
+from tgi_vlm.layers.padding import zero_padded
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -101,7 +102,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     if (q.dtype not in _PADDED_DTYPES or padded == length or padded > _PADDED_MAX_ROWS
             or q.device.type != "cpu"):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-    q, k, v = (F.pad(t, (0, 0, 0, padded - length)) for t in (q, k, v))
+    q, k, v = (zero_padded(t, 2, padded) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)[:, :, :length]
 
 

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
+from tgi_vlm.layers.padding import zero_padded
+
 
 class LinearExtra(Protocol):
     """A per-layer term added to a linear layer's output in every path (plain, packed, fused, the lean layer):
@@ -166,7 +168,8 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     flat = x.reshape(rows, x.shape[-1])
     padded = row_bucket(rows)
-    return (F.pad(flat, (0, 0, 0, padded - rows)) if padded != rows else flat), rows
+    return (zero_padded(flat, 0, padded) if padded != rows else flat), rows
+
 
 
 class BucketedLinear(TorchLinear):
