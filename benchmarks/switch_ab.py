@@ -8,6 +8,9 @@ round's median step, on and off, and their ratio; every round in the file.
 
     .venv/bin/python benchmarks/switch_ab.py --model FILE.gguf --batch 1 --switch tgi_vlm.layers.native_step.ENABLED
 
+A switch read when the model loads (`--at-load`, e.g. `tgi_vlm.layers.linear.grouped.PACK_CODES`): two engines are
+loaded, one with it on and one off, and the rounds alternate between them.
+
 Writes benchmarks/results/switch_ab-<label>.{json,md}.
 """
 
@@ -36,11 +39,13 @@ from tgi_vlm.testing.machine import machine
 RESULTS = Path(__file__).parent / "results"
 
 
-def rounds(engine, switch_module, attr: str, batch: int, steps: int, count: int) -> dict[bool, list[float]]:
+def rounds(engines: dict, switch_module, attr: str, batch: int, steps: int, count: int) -> dict[bool, list[float]]:
+    """`engines`: the engine for each switch value (the same one twice for a switch read at each call)."""
     medians: dict[bool, list[float]] = {True: [], False: []}
     for index in range(count):
         for on in ((True, False) if index % 2 == 0 else (False, True)):
             setattr(switch_module, attr, on)
+            engine = engines[on]
             reqs = [make_request(i, p, max_new_tokens=steps + 8)
                     for i, p in enumerate(prompts(engine.tokenizer, batch, seed=batch + index))]
             _, state, _ = engine.generate_token(engine.batch_from_pb(make_batch(2 * index + int(on), reqs)))
@@ -67,21 +72,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--label", required=True)
+    parser.add_argument("--at-load", action="store_true", help="the switch is read at load: two engines")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     module_name, attr = args.switch.rsplit(".", 1)
     module = importlib.import_module(module_name)
-    engine = get_model(args.model, EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=1 << 30))
-    engine.warmup(warmup_request(1024, DEFAULT_PREFILL_BUDGET, 2048))
+    engines = {}
+    for on in ((True, False) if args.at_load else (True,)):
+        setattr(module, attr, on)
+        engines[on] = get_model(args.model, EngineConfig(device="cpu", dtype=args.dtype, cpu_kv_cache_bytes=1 << 30))
+        engines[on].warmup(warmup_request(1024, DEFAULT_PREFILL_BUDGET, 2048))
+    engines.setdefault(False, engines[True])
     release_openmp_threads()
     out: dict = {}
-    worker = threading.Thread(target=lambda: out.update(medians=rounds(engine, module, attr, args.batch, args.steps,
+    worker = threading.Thread(target=lambda: out.update(medians=rounds(engines, module, attr, args.batch, args.steps,
                                                                        args.rounds)))
     worker.start()
     worker.join()
     on, off = (statistics.median(out["medians"][k]) for k in (True, False))
     result = dict(model=Path(args.model).name, dtype=args.dtype, batch=args.batch, switch=args.switch,
-                  steps=args.steps, rounds_on=out["medians"][True], rounds_off=out["medians"][False], on_ms=on,
+                  at_load=args.at_load, steps=args.steps, rounds_on=out["medians"][True], rounds_off=out["medians"][False], on_ms=on,
                   off_ms=off, ratio=on / off, machine=machine(),
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     md = (f"# `{args.switch}` on vs off: {result['model']}, {args.dtype}, batch {args.batch}\n\n"
