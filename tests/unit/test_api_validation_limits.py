@@ -67,6 +67,9 @@ class StubShard:
     async def clear_cache(self, _batch_id):
         return None
 
+    async def health(self):
+        return pb.HealthResponse()
+
     async def info(self):
         return pb.InfoResponse(block_size=16, support_chunking=True)
 
