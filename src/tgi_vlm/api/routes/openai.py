@@ -4,6 +4,10 @@ Chat: the messages go through the model's chat template (images as markdown), se
 add_special_tokens=false; completions send true. Temperature 0 means greedy; no temperature means
 sampling at 1 (TGI). presence_penalty p becomes repetition_penalty p + 2 (TGI). Streams end with
 the literal `data: [DONE]`; errors inside a stream are OpenAI-style error events.
+
+`tools` / `tool_choice` hold the reply to a call grammar and read it back as `tool_calls`
+(api/tools.py, api/reply_stream.py); `n` runs n sequences of the prompt (api/infer.py `stream_many`),
+choice i seeded `seed + i` when a seed is given.
 """
 
 from __future__ import annotations
