@@ -20,8 +20,6 @@ import json
 import re
 from typing import Any
 
-import llguidance
-
 from tgi_vlm.api.errors import validation_error
 
 GRAMMAR_TYPE_NONE, GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX = 0, 1, 2
@@ -38,7 +36,7 @@ def grammar_fields(grammar: dict[str, Any] | None) -> tuple[str, int]:
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise validation_error("grammar of type `regex` needs a non-empty string `value`")
-        _check(llguidance.LLMatcher.grammar_from_regex(value), "regex")
+        _check(_llguidance().LLMatcher.grammar_from_regex(value), "regex")
         return value, GRAMMAR_TYPE_REGEX
     strict = False
     if kind == "json_schema" and isinstance(value, dict) and "schema" in value:
@@ -65,8 +63,8 @@ def check_schema(schema: dict, where: str, *, strict: bool = False) -> None:
     if strict:
         _check_strict(schema, where, "#")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,
-                                                                overrides={"whitespace_pattern": JSON_WHITESPACE})
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema,
+                                                                   overrides={"whitespace_pattern": JSON_WHITESPACE})
     except (ValueError, TypeError) as exc:
         raise validation_error(f"grammar is not valid: {where}: {exc}") from None
     _check(grammar, where)
@@ -75,7 +73,15 @@ def check_schema(schema: dict, where: str, *, strict: bool = False) -> None:
 @functools.lru_cache(maxsize=256)
 def _problem(grammar: str) -> str:
     """llguidance's complaint about a grammar ("" when none); cached, as clients resend the same tools."""
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    return _llguidance().LLMatcher.validate_grammar(grammar)
+
+
+def _llguidance():
+    """Imported on the first grammar, not with the front end (tests/unit/test_layering.py): a server whose
+    requests carry none never loads the engine's grammar library."""
+    import llguidance
+
+    return llguidance
 
 
 def _check(grammar: str, where: str) -> None:
