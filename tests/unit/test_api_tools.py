@@ -67,7 +67,7 @@ def test_required_allows_a_call_to_any_tool_and_nothing_else():
 def test_a_named_choice_allows_only_that_function_and_tgi_bare_names_work_too():
     for choice in ({"type": "function", "function": {"name": "noop"}}, "noop"):
         plan = plan_tools(chat(tools=TOOLS, tool_choice=choice))
-        assert plan.choice == "function"
+        assert plan.choice == "function" and [t.function.name for t in plan.tools] == ["noop"]  # shown alone
         assert accepts(plan.schema, '{"name": "noop", "arguments": {}}')
         assert not accepts(plan.schema, '{"name": "get_weather", "arguments": {"city": "a", "days": 1}}')
 

@@ -44,7 +44,7 @@ class ToolPlan:
     """What a request with tools asks of its reply."""
 
     choice: str  # "auto" | "required" | "function"
-    tools: list[Tool]  # the functions offered to the template (all of them, whatever the choice)
+    tools: list[Tool]  # the functions shown to the template: all of them, or the named one
     schema: dict  # the reply's JSON Schema
 
     def grammar(self) -> dict:
@@ -70,7 +70,7 @@ def plan_tools(body: ChatRequest) -> ToolPlan | None:
         if not chosen:
             raise tool_error(f"Tool with name {choice.function.name} not found (offered: "
                              f"{', '.join(t.function.name for t in tools)})")
-        return ToolPlan("function", tools, call_schema(chosen[0]))
+        return ToolPlan("function", chosen, call_schema(chosen[0]))  # TGI shows the template this one only
     calls = [call_schema(t) for t in tools]
     branches = [*calls, CONTENT_SCHEMA] if choice == "auto" else calls
     return ToolPlan(choice, tools, branches[0] if len(branches) == 1 else {"anyOf": branches})
