@@ -123,7 +123,9 @@ class Infer:
                        queued: float) -> AsyncIterator[tuple[int, StreamStep]]:
         items: asyncio.Queue[tuple[int, StreamStep] | ApiError | None] = asyncio.Queue()
         prefilled = asyncio.Event()
-        share = self.router.config.prefix_caching and len(copies) > 1
+        # Waiting for the first sequence pays off only when its prompt fills at least one whole block.
+        share = (self.router.config.prefix_caching and len(copies) > 1
+                 and copies[0].input_length >= self.router.allocator.block_size)
 
         async def run(i: int, valid: ValidRequest) -> None:
             try:
