@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.unit.test_api_validation_limits import serving
 
 MAX_TOKENS_KEYS = {"max_new_tokens", "max_tokens", "max_completion_tokens"}
-EXAMPLES = 250  # about 10 s here; raise it locally for a longer hunt
+EXAMPLES = 150  # about 6 s here; raise it locally for a longer hunt
 
 
 class Server:
