@@ -330,7 +330,8 @@ def launch(
     port: Annotated[int, typer.Option("--port", "-p", help="HTTP port (0: any free port)")] = 3000,
     hostname: Annotated[str, typer.Option(help="Address to listen on (TGI's default is 0.0.0.0)")] = "127.0.0.1",
     max_concurrent_requests: int = 128,
-    max_best_of: Annotated[int, typer.Option(help="Only 1: best_of > 1 is not implemented")] = 1,
+    max_best_of: Annotated[int, typer.Option(min=1, help="Largest best_of of /generate (sequences sampled, the "
+                                                         "best returned)")] = 2,
     max_stop_sequences: int = 4,
     max_top_n_tokens: int = 5,
     max_input_tokens: Annotated[Optional[int], typer.Option(help="Default: max-total-tokens - 1")] = None,
@@ -351,6 +352,8 @@ def launch(
     shard_uds_path: Annotated[Optional[str], typer.Option(help="Use the shard on this socket (or {path}-0) if it "
                                                                    "exists; otherwise start one there")] = None,
     graceful_termination_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get on SIGTERM")] = 90.0,
+    chat_template: Annotated[Optional[Path], typer.Option(help="A Jinja chat template file for /v1/chat/completions "
+                                                               "(replaces the model's own; for models without one)")] = None,
     logger_level: str = "WARNING",
 ) -> None:
     """Serve TGI's HTTP API (/generate, /v1/chat/completions, /info, /metrics, ...) from a shard started
@@ -370,9 +373,8 @@ def launch(
     input_tokens = max_input_tokens or max_input_length or max_total_tokens - 1
     if input_tokens >= max_total_tokens:
         _fail(f"--max-input-tokens ({input_tokens}) must be < --max-total-tokens ({max_total_tokens})")
-    if max_best_of != 1:
-        _fail("--max-best-of: only 1 is supported (best_of > 1 is not implemented)")
     api = ApiConfig(model_id, hostname=hostname, port=port, max_concurrent_requests=max_concurrent_requests,
+                    max_best_of=max_best_of, chat_template=_read_chat_template(chat_template),
                     max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens,
                     max_client_batch_size=max_client_batch_size, validation_workers=validation_workers,
                     payload_limit=payload_limit, api_key=api_key, max_image_fetch_size=max_image_fetch_size,
@@ -392,6 +394,15 @@ def launch(
         pass
     except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: port taken, no such model
         _fail(f"{type(exc).__name__}: {exc}")
+
+
+def _read_chat_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"--chat-template {path}: cannot read it ({exc})")
 
 
 @app.command()

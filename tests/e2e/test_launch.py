@@ -112,7 +112,7 @@ def test_info_health_models_and_metrics_answer_without_a_key(launch, model):
                           "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
                           "max_client_batch_size", "router", "version", "sha", "docker_label"]
     assert (info["model_id"], info["model_pipeline_tag"], info["max_concurrent_requests"], info["max_best_of"],
-            info["max_input_tokens"], info["max_total_tokens"]) == (model, "image-text-to-text", 64, 1, MAX_INPUT,
+            info["max_input_tokens"], info["max_total_tokens"]) == (model, "image-text-to-text", 64, 2, MAX_INPUT,
                                                                      MAX_TOTAL)
     assert httpx.get(f"{launch.url}/v1/models").json() == {
         "object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": model}]}
@@ -261,7 +261,7 @@ VALIDATION = [
     ({"truncate": MAX_INPUT + 1}, f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 401"),
     ({"max_new_tokens": MAX_TOTAL}, f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. "
                                     f"Given: 1 `inputs` tokens and {MAX_TOTAL} `max_new_tokens`"),
-    ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not allowed for this endpoint"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"grammar": {"type": "regex", "value": ""}}, "grammar of type `regex` needs a non-empty string `value`"),
     ({"grammar": {"type": "yaml", "value": "a"}}, "unknown grammar type 'yaml': use `json`, `json_schema` or `regex`"),
 ]

@@ -67,6 +67,9 @@ class StubShard:
     async def clear_cache(self, _batch_id):
         return None
 
+    async def health(self):
+        return pb.HealthResponse()
+
     async def info(self):
         return pb.InfoResponse(block_size=16, support_chunking=True)
 
@@ -289,8 +292,8 @@ EDGES = [
     ({"top_k": 1}, None),
     ({"best_of": 1}, None),
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
-    ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not allowed for this endpoint"),
-    ({"best_of": 2, "top_k": 5}, "`best_of` != 1 is not allowed for this endpoint"),  # top_k alone means sampling
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),  # --max-best-of 2 (TGI's)
+    ({"best_of": 2, "top_k": 5, "seed": 1}, "`seed` must not be set when `best_of` > 1"),  # top_k alone samples
 ]
 
 

@@ -37,7 +37,13 @@ async def _client_gone(request: Request, error: ClientGone) -> Response:
 
 
 async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-    """Bodies that do not deserialize (TGI: serde's message, 422) get TGI's validation body."""
+    """Bodies that do not deserialize (TGI: serde's message, 422) get TGI's validation body; a body
+    that is not JSON at all is 400, as axum's JSON syntax rejection in TGI."""
+    unparsable = [e for e in error.errors() if e.get("type") == "json_invalid"]
+    if unparsable:
+        reason = (unparsable[0].get("ctx") or {}).get("error", "invalid JSON")
+        return JSONResponse({"error": f"Failed to parse the request body as JSON: {reason}", "error_type": "validation"},
+                            status_code=400)
     problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in error.errors())
     return await _api_error(request, validation_error(f"Failed to deserialize the JSON body: {problems}"))
 

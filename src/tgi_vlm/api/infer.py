@@ -9,11 +9,13 @@ step boundary. Every failure is counted once, as `tgi_request_failure{err=<error
 
 from __future__ import annotations
 
+import asyncio
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgi_vlm.api.errors import ApiError, generation_error, incomplete_generation, overloaded, validation_error
 from tgi_vlm.api.health import BackendHealth
@@ -80,21 +82,106 @@ class Infer:
             self.metrics.counters.inc("tgi_request_failure", err=error.error_type)
             raise
 
+    async def generate_many(self, inputs: str, params: Parameters, seeds: list[int | None], *,
+                            add_special_tokens: bool = True) -> tuple[list[Generation], ValidRequest]:
+        """`len(seeds)` sequences of one prompt (best_of, n), in order."""
+        tokens: list[list[TokenEvent]] = [[] for _ in seeds]
+        finals: list[FinalEvent | None] = [None for _ in seeds]
+        valid = None
+        async with aclosing(self.stream_many(inputs, params, seeds, add_special_tokens=add_special_tokens)) as steps:
+            async for index, step in steps:
+                tokens[index].append(step.token)
+                finals[index], valid = step.final or finals[index], step.valid
+        if valid is None or any(f is None for f in finals):
+            raise incomplete_generation()
+        return [Generation(t, f) for t, f in zip(tokens, finals)], valid
+
+    async def stream_many(self, inputs: str, params: Parameters, seeds: list[int | None], *,
+                          add_special_tokens: bool = True, stream: bool = False) -> AsyncIterator[tuple[int, StreamStep]]:
+        """(sequence index, step) for several sequences of one prompt, interleaved as they come.
+
+        The prompt is validated and counted once. With the router's prefix cache on, the first
+        sequence is queued alone and the others once its first token is back (its prompt blocks are
+        cached then), so they reuse its KV blocks instead of computing the prompt again. A seed per
+        sequence: `seeds[i]`, or a random one where None (the first keeps the validated request's)."""
+        start = time.perf_counter()
+        for _ in seeds:
+            self.metrics.counters.inc("tgi_request_count")
+        try:
+            with self._permit(len(seeds)):
+                valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
+                                                      stream=stream)
+                copies = [_seeded(valid, seed, first=i == 0) for i, seed in enumerate(seeds)]
+                async with aclosing(self._fan_out(copies, start, time.perf_counter())) as steps:
+                    async for item in steps:
+                        yield item
+        except ApiError as error:
+            self.metrics.counters.inc("tgi_request_failure", err=error.error_type)
+            raise
+
+    async def _fan_out(self, copies: list[ValidRequest], start: float,
+                       queued: float) -> AsyncIterator[tuple[int, StreamStep]]:
+        items: asyncio.Queue[tuple[int, StreamStep] | ApiError | None] = asyncio.Queue()
+        prefilled = asyncio.Event()
+        # Waiting for the first sequence pays off only when its prompt fills at least one whole block.
+        share = (self.router.config.prefix_caching and len(copies) > 1
+                 and copies[0].input_length >= self.router.allocator.block_size)
+
+        async def run(i: int, valid: ValidRequest) -> None:
+            try:
+                if i > 0 and share:
+                    await prefilled.wait()
+                routed = await self.router.submit(valid.params, input_len=valid.prompt if valid.prompt is not None
+                                                  else valid.input_length)
+                async for index, token, final in _paired(routed, self.router, self.metrics, self.health):
+                    prefilled.set()
+                    if final is not None:
+                        self._done(final, valid, start, queued)
+                    await items.put((i, StreamStep(index, token, final, valid)))
+            except ApiError as error:
+                await items.put(error)
+            finally:
+                prefilled.set()
+                await items.put(None)
+
+        tasks = [asyncio.create_task(run(i, v)) for i, v in enumerate(copies)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await items.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, ApiError):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # closing a task's stream cancels its request in the router
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     @contextmanager
-    def _permit(self) -> Iterator[None]:
-        if self.in_flight >= self.max_concurrent_requests:
+    def _permit(self, n: int = 1) -> Iterator[None]:
+        if self.in_flight + n > self.max_concurrent_requests:
             raise overloaded()
-        self.in_flight += 1
+        self.in_flight += n
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= n
 
     def _done(self, final: FinalEvent, valid: ValidRequest, start: float, queued: float) -> None:
         now = time.perf_counter()
         self.metrics.request_done(total_s=now - start, validation_s=queued - start, inference_s=now - queued,
                                   generated_tokens=final.generated_tokens, input_length=valid.input_length,
                                   max_new_tokens=valid.params.max_new_tokens)
+
+
+def _seeded(valid: ValidRequest, seed: int | None, *, first: bool) -> ValidRequest:
+    if seed is None and first:
+        return valid
+    seed = secrets.randbits(64) if seed is None else seed % 2**64
+    return replace(valid, params=replace(valid.params, seed=seed))
 
 
 async def _paired(stream: Stream, router: Router, metrics: Metrics,

@@ -130,7 +130,7 @@ def banner(state: ApiState, url: str) -> str:
     ]
     if state.chat_template.template is None:  # e.g. a GGUF file without tokenizer.chat_template: no chat lines
         lines[5:8] = ["  (no chat template in this model: /v1/chat/completions answers a template error; use "
-                      "/generate, or /v1/completions)"]
+                      "/generate, or /v1/completions, or give one with --chat-template FILE)"]
     if image:
         lines.insert(-2, "  (images: markdown ![](data:image/png;base64,...) or ![](https://...) in /generate inputs, "
                         "image_url parts in chat)")

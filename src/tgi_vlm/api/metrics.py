@@ -69,6 +69,20 @@ class RouterGauges(Collector):
                          allocator.capacity * allocator.block_size)
             yield _gauge("tgi_vlm_kv_blocks_total", "KV cache blocks the router allocates from", allocator.capacity)
             yield _gauge("tgi_vlm_kv_blocks_free", "KV cache blocks not held by any request", allocator.num_free)
+            yield _gauge("tgi_vlm_kv_block_size", "Tokens per KV cache block", allocator.block_size)
+        if router.config.prefix_caching:
+            stats = router.prefix_stats
+            for name, doc in PREFIX_FIGURES.items():
+                yield _gauge(f"tgi_vlm_prefix_cache_{name}", doc, getattr(stats, name))
+
+
+# The router driver's prefix-cache counters (router/prefix_cache.PrefixStats), as running totals.
+PREFIX_FIGURES = {
+    "requests": "Prefills the shard accepted",
+    "prompt_tokens": "Their prompt tokens",
+    "cached_tokens": "Prompt tokens taken from the prefix cache instead of computed",
+    "hits": "Prefills that took a cached prefix",
+}
 
 
 def _gauge(name: str, doc: str, value: float) -> Metric:

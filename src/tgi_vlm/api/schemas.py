@@ -78,10 +78,23 @@ class ImagePart(_Body):
     image_url: ImageUrl
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; TGI clients an object
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
     content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # a `tool` message: which call it answers
+    name: str | None = None
 
     def text(self) -> str:
         """TGI's `TextMessage`: parts joined, each image as markdown `![](url)` in its place."""
@@ -90,6 +103,28 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text if isinstance(p, TextPart) else f"![]({p.image_url.url})" for p in self.content)
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule
+    description: str | None = None
+    # OpenAI's `parameters`; TGI's own clients send `arguments`
+    parameters: dict[str, Any] | None = Field(None, validation_alias=AliasChoices("parameters", "arguments"))
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class StreamOptions(_Body):
@@ -110,14 +145,18 @@ class ChatRequest(_StopList):
     logprobs: bool | None = None
     top_logprobs: NonNegative | None = None
     max_tokens: NonNegative | None = Field(None, validation_alias=AliasChoices("max_tokens", "max_completion_tokens"))
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=128)  # OpenAI's range; --max-client-batch-size bounds it further
     presence_penalty: float | None = None
     stop: list[str] | None = None
     stream: bool = False
     seed: Seed | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; TGI also takes a bare name
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | str | None = None
+    tool_prompt: str | None = None  # TGI's: the instruction put after the tools when the template cannot take them
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     stream_options: StreamOptions | None = None
 
@@ -131,6 +170,7 @@ class CompletionRequest(_StopList):
     stream: bool = False
     seed: Seed | None = None
     suffix: str | None = None
+    n: int | None = Field(None, ge=1, le=128)
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: list[str] | None = None

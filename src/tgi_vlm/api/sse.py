@@ -7,6 +7,13 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+
+class EventStream(StreamingResponse):
+    """Documents a route as `text/event-stream` (/openapi.json)."""
+
+    media_type = "text/event-stream"
+
+
 DONE = b"data: [DONE]\n\n"  # the OpenAI routes' last event
 
 

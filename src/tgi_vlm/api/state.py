@@ -36,7 +36,7 @@ class ApiState:
         metrics = Metrics(router, lengths.max_input_tokens, lengths.max_total_tokens)
         validator = Validator(config, counter, lengths, images, prompt_tokens=router.config.prefix_caching)
         infer = Infer(router, validator, metrics, config.max_concurrent_requests)
-        chat_template = ChatTemplate(counter.tokenizer, counter.processor)
+        chat_template = ChatTemplate(counter.tokenizer, counter.processor, config.chat_template)
         openai = OpenAiBodies(config.model_id, f"{__version__}-native")
         return cls(config, router, counter, lengths, images, metrics, infer, chat_template, openai)
 

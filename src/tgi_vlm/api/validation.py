@@ -84,8 +84,6 @@ class Validator:
             raise validation_error("you must use sampling when `best_of` is > 1")
         if best_of != 1 and stream:
             raise validation_error("`best_of` != 1 is not supported when streaming tokens")
-        if best_of > 1:
-            raise validation_error("`best_of` != 1 is not allowed for this endpoint")
         if p.decoder_input_details and stream:
             raise validation_error("`decoder_input_details` == true is not supported when streaming tokens")
         if p.temperature is not None and not (p.temperature > 0 and math.isfinite(p.temperature)):
@@ -108,7 +106,16 @@ class Validator:
         if p.top_n_tokens is not None and p.top_n_tokens > self.config.max_top_n_tokens:
             raise validation_error(f"`top_n_tokens` must be >= 0 and <= {self.config.max_top_n_tokens}. "
                                    f"Given: {p.top_n_tokens}")
-        grammar_fields(p.grammar)  # 422 when malformed; the shard refuses what does not compile
+        if best_of > 1 and p.seed is not None:
+            raise validation_error("`seed` must not be set when `best_of` > 1")  # each sequence draws its own
+        grammar_fields(p.grammar)  # 422 when malformed or not enforceable (api/grammar.py)
+
+    def check_best_of(self, best_of: int) -> None:
+        """TGI's `validate_best_of`, checked before the parameters."""
+        if self.config.max_best_of == 1 and best_of != 1:
+            raise validation_error("`best_of` != 1 is not allowed for this endpoint")
+        if best_of > self.config.max_best_of:
+            raise validation_error(f"`best_of` must be > 0 and <= {self.config.max_best_of}. Given: {best_of}")
 
     def _truncate(self, truncate: int | None) -> int:
         limit = self.lengths.max_input_tokens

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tgi_vlm import __version__
-from tgi_vlm.api import metrics
+from tgi_vlm.api import metrics, openapi
 from tgi_vlm.api.errors import unhealthy
 from tgi_vlm.api.routes.generate import state_of
 from tgi_vlm.api.schemas import GenerateRequest
@@ -39,14 +39,14 @@ def info(state: ApiState) -> dict:
     }
 
 
-@router.get("/info")
+@router.get("/info", responses={200: {"model": openapi.Info, "description": "What this server runs"}})
 async def get_info(request: Request) -> JSONResponse:
     return JSONResponse(info(state_of(request)))
 
 
-@router.get("/health")
-@router.get("/ping")
-@router.get("/")
+@router.get("/health", response_class=Response, responses=openapi.HEALTH_RESPONSES)
+@router.get("/ping", response_class=Response, responses=openapi.HEALTH_RESPONSES)
+@router.get("/", response_class=Response, responses=openapi.HEALTH_RESPONSES)
 async def health(request: Request) -> Response:
     """200 with an empty body when the check passes, else 503 (TGI's body). The check is the shards'
     Health RPC, or after a failed generation the liveness Prefill (api/health.py)."""
@@ -56,12 +56,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
 async def get_metrics(request: Request) -> Response:
     return Response(state_of(request).metrics.render(), media_type=metrics.CONTENT_TYPE)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=openapi.TOKENIZE_RESPONSES)
 async def tokenize(body: GenerateRequest, request: Request) -> JSONResponse:
     """Plain text: ids with character offsets. With images: the ids the shard will see (placeholders
     expanded by the processor), without offsets (start = stop = 0), as TGI answers without them."""
