@@ -59,7 +59,7 @@ class Qwen2VLPrompt(VlmPrompt):
     def frame_sampler(self, limits):
         """The video processor's own `sample_frames` at the server's rate (`video_fps`), with at most
         `max_video_frames`; a clip shorter than one temporal patch keeps all its frames (the processor
-        pads them)."""
+        pads them by repeating the last)."""
         from transformers.video_utils import VideoMetadata
 
         video_processor = self.processor.video_processor
@@ -67,8 +67,8 @@ class Qwen2VLPrompt(VlmPrompt):
         max_frames = max(patch, min(video_processor.max_frames, limits.max_video_frames) // patch * patch)
 
         def sample(total: int, fps: float) -> list[int]:
-            if total < 2 * patch:  # the processor's rule would keep 0 frames, or 1 of 3
-                return list(range(min(total, patch)))
+            if total < patch:  # the processor's rule keeps none of a clip shorter than one temporal patch
+                return list(range(total))
             metadata = VideoMetadata(total_num_frames=total, fps=fps)
             indices = video_processor.sample_frames(metadata, fps=limits.video_fps, max_frames=max_frames)
             return [int(i) for i in indices]
