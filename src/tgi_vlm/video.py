@@ -92,10 +92,10 @@ def _open(av, data: bytes):
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as exc:
-        raise VideoError(f"not a video container FFmpeg can read: {exc}") from None
+        raise VideoError(f"cannot read the container (corrupt, truncated or not a video): {exc}") from None
     if not container.streams.video:
         container.close()
-        raise VideoError("the file holds no video stream")
+        raise VideoError("the file holds no video stream (a track without frames is none)")
     return container
 
 

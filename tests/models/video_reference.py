@@ -5,6 +5,7 @@ the server's rate), so the engine's decoder, frame sampler and metadata are chec
 from __future__ import annotations
 
 import io
+from functools import lru_cache
 
 import av
 import numpy as np
@@ -55,5 +56,6 @@ def rope_index(arch: str, inputs: dict) -> torch.Tensor:
     return positions[:, 0, :]
 
 
+@lru_cache(maxsize=32)  # clips are hashable (VideoBytes): a scenario's reference is computed once
 def video_reference(arch: str, chunks: tuple, max_new_tokens: int) -> Reference:
     return hf_greedy(reference_model(arch)[0], video_inputs(arch, chunks), max_new_tokens)
