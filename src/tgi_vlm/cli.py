@@ -429,7 +429,8 @@ def bench(
     out_dir: Path = Path("benchmarks/results"),
     name: Optional[str] = None,
     logger_level: str = "WARNING",
-    workload: Annotated[str, typer.Option(help="synthetic (vs transformers) | multiturn | shared-prefix "
+    workload: Annotated[str, typer.Option(help="synthetic (vs transformers) | video (a clip per request, vs "
+                                                   "transformers) | multiturn | shared-prefix "
                                                    "(the last two: prefix caching off vs on)")] = "synthetic",
     prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache (synthetic workload)")] = True,
     system_tokens: Annotated[int, typer.Option(help="Shared system prompt, tokens (shared-prefix: default 256)")] = 0,
