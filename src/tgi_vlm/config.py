@@ -76,7 +76,10 @@ class InputLimits:
     video_codecs: tuple[str, ...] = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg", "ffv1")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> InputLimits:
+    def from_env(cls, env: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None) -> InputLimits:
+        """From `env` (default: this process's environment) with `overrides` on top (a shard's own environment:
+        the router driver's token counter must apply the limits the shard it starts will)."""
+        env = {**(os.environ if env is None else env), **(overrides or {})}
         codecs = env.get("TGI_VLM_VIDEO_CODECS")
         limits = cls(
             max_images_per_request=_int(env, "TGI_VLM_MAX_IMAGES_PER_REQUEST", cls.max_images_per_request),

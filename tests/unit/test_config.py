@@ -59,6 +59,9 @@ def test_the_video_limits_default_to_the_readmes_and_each_is_read():
             read.video_fps, read.video_codecs) == (3, 4, 5, 6, 7.0, 8, 9, 10.0, 11.0, ("h264", "vp9"))
     with pytest.raises(ValueError, match="video limits must be positive"):
         InputLimits.from_env({"TGI_VLM_VIDEO_FPS": "0"})
+    # the driver's counter: its process environment with the shard's own on top
+    assert InputLimits.from_env({"TGI_VLM_MAX_VIDEO_FRAMES": "4"}, {"TGI_VLM_MAX_VIDEO_BYTES": "9"}).max_video_frames == 4
+    assert InputLimits.from_env({"TGI_VLM_MAX_VIDEO_BYTES": "4"}, {"TGI_VLM_MAX_VIDEO_BYTES": "9"}).max_video_bytes == 9
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
