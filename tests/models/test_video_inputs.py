@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import load_engine
 from tests.models.reference import assert_matches
 from tests.models.video_reference import video_reference
+from tests.unit.test_video_decoding import unsupported_codec_clip, zero_frame_mp4
 from tgi_vlm.config import InputLimits
 from tgi_vlm.errors import InvalidBatch
 from tgi_vlm.media import MediaKind, VideoBytes
@@ -34,24 +35,42 @@ def set_limits(engine, monkeypatch, **changes) -> None:
     monkeypatch.setattr(engine.media_prefetch, "limits", limits)
 
 
+def huge_frame_clip() -> bytes:
+    """A decompression bomb: one 4096x2304 frame of one colour, a few kB."""
+    import numpy as np
+
+    return encode_clip(np.zeros((1, 2304, 4096, 3), np.uint8), 1.0, codec="mpeg4")
+
+
+# case → (clip bytes, limits changed for the case, what the refusal says)
 BAD = {
-    "corrupt": (encode_clip(make_test_frames(4, 56, 42), 2.0, codec="h264", container="mp4")[:900],
+    "corrupt": (lambda: encode_clip(make_test_frames(4, 56, 42), 2.0, codec="h264", container="mp4")[:900], {},
                 "corrupt, truncated or not a video"),
-    "not_a_video": (b"plain text, not a clip " * 10, "corrupt, truncated or not a video"),
-    "over_the_frame_limit": (encode_clip(make_test_frames(40, 28, 28), 2.0), "more than 32 frames"),
+    "not_a_video": (lambda: b"plain text, not a clip " * 10, {}, "corrupt, truncated or not a video"),
+    "zero_frames": (zero_frame_mp4, {}, "no video stream"),
+    "unsupported_codec": (unsupported_codec_clip, {}, "codec 'qtrle' is not accepted"),
+    "over_the_frame_limit": (lambda: encode_clip(make_test_frames(40, 28, 28), 2.0), {"max_video_source_frames": 32},
+                             "more than 32 frames"),
+    "over_the_byte_limit": (lambda: CLIP.data, {"max_video_bytes": 1000}, "over the limit of 1000"),
+    "over_the_pixel_limit": (lambda: CLIP.data, {"max_video_pixels": 1000}, "decoded pixels, over the limit of 1000"),
+    "over_the_length_limit": (lambda: CLIP.data, {"max_video_seconds": 1.0}, "2.0 s long, over the limit of 1.0 s"),
+    "over_the_time_limit": (lambda: CLIP.data, {"video_decode_timeout_s": 1e-9}, "decode time limit"),
+    "decompression_bomb": (huge_frame_clip, {}, "4096x2304 = 9437184 pixels, over the limit"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_bad_clip_is_refused_naming_the_request_and_the_batch_goes_on(engine, arch, case, monkeypatch):
-    data, reason = BAD[case]
-    set_limits(engine, monkeypatch, max_video_source_frames=32)
+    make, changes, reason = BAD[case]
     runner = Runner(engine)
-    runner.prefill([make_request(0, *GOOD, max_new_tokens=5)])
+    runner.prefill([make_request(0, *GOOD, max_new_tokens=5)])  # running before the bad batch, under the defaults
+    set_limits(engine, monkeypatch, **changes)
     with pytest.raises(InvalidBatch) as info:
-        engine.batch_from_pb(make_batch(2, [make_request(7, *GOOD), make_request(8, "bad ", VideoBytes(data), " clip")]))
+        engine.batch_from_pb(make_batch(2, [make_request(7, "text only"), make_request(8, "bad ", VideoBytes(make()),
+                                                                                        " clip")]))
     assert info.value.request_ids == [8]
     assert "request 8: video 0:" in str(info.value) and reason in str(info.value), str(info.value)
+    monkeypatch.undo()
     runner.prefill([make_request(7, *GOOD, max_new_tokens=4)], batch_id=2)  # the router resends the good one
     runner.run()
     assert_matches(runner, 0, video_reference(arch, GOOD, 5))
