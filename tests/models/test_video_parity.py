@@ -72,9 +72,10 @@ def test_a_clip_batched_with_image_text_and_image_plus_clip_requests(runner, arc
 
 @pytest.mark.parametrize("chunk", [1, 3, 5])
 def test_chunked_prefill_splits_the_clip_span(engine, runner, arch, chunk):
+    """First chunks of 1, 3 and 5 tokens, then 6 per step: some step ends inside the clip's span."""
     chunks = ask(CLIPS[(6, 2)])
     span = engine.tokenize_request(make_request(0, *chunks)).media[0]
-    engine.prefill_budget = chunk
+    engine.prefill_budget = 6
     runner.prefill([make_request(0, *chunks, max_new_tokens=4, chunk_len=chunk)])
     seq = runner.batch.seqs[0]
     while seq.num_computed < span.end:  # some step leaves the clip half prefilled
