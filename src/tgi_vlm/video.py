@@ -74,6 +74,8 @@ def decode_video(data: bytes, limits: InputLimits, sample: FrameSampler) -> Deco
     try:
         total, fps, (width, height) = _probe(av, data, limits, deadline)
         indices = _checked_indices(sample(total, fps), total)
+        if len(indices) > limits.max_video_frames:  # a processor configured with its own num_frames ignores the cap
+            raise VideoError(f"frame sampling keeps {len(indices)} frames, over the limit of {limits.max_video_frames}")
         pixels = len(indices) * width * height
         if pixels > limits.max_video_pixels:
             raise VideoError(f"video needs {len(indices)} frames of {width}x{height} = {pixels} decoded pixels, over "

@@ -74,6 +74,7 @@ BAD = {
     "over_bytes": (lambda: CLIP, replace(LIMITS, max_video_bytes=1000), "over the limit of 1000"),
     "over_frames": (lambda: CLIP, replace(LIMITS, max_video_source_frames=5), "more than 5 frames"),
     "over_seconds": (lambda: CLIP, replace(LIMITS, max_video_seconds=1.5), "2.0 s long, over the limit of 1.5 s"),
+    "over_sampled_frames": (lambda: CLIP, replace(LIMITS, max_video_frames=3), "keeps 4 frames, over the limit of 3"),
     "over_pixels": (lambda: CLIP, replace(LIMITS, max_video_pixels=4 * 64 * 48 - 1), "decoded pixels, over"),
     "over_time": (lambda: CLIP, replace(LIMITS, video_decode_timeout_s=1e-9), "decode time limit"),
 }
