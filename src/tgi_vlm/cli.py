@@ -278,6 +278,8 @@ def generate(
     model_id: Annotated[str, typer.Argument(help="Hub id or local directory of the model")],
     num_shard: NumShard = 1,
     image: Annotated[Optional[list[Path]], typer.Option(help="Image file (repeatable); images come before the prompt")] = None,
+    video: Annotated[Optional[list[Path]], typer.Option(help="Video file (repeatable; Qwen2-VL / Qwen2.5-VL); clips come "
+                                                             "after the images, before the prompt")] = None,
     prompt: Annotated[Optional[str], typer.Option(help="Prompt text")] = None,
     max_new_tokens: int = 32,
     temperature: float = 1.0,
@@ -297,13 +299,16 @@ def generate(
     import asyncio
 
     _setup_logging(logger_level, False)
+    from tgi_vlm.media import VideoBytes
+
     images = [p.read_bytes() for p in image or []] if not demo else []
+    images += [VideoBytes(p.read_bytes(), "video/" + (p.suffix.lstrip(".") or "mp4")) for p in video or []]
     if demo:
         from tgi_vlm.router.generate import DEMO_PROMPT, demo_image
 
         images, prompt = [demo_image()], prompt or DEMO_PROMPT
     if not prompt and not images:
-        _fail("give --prompt (and --image files), or --demo")
+        _fail("give --prompt (and --image / --video files), or --demo")
     from tgi_vlm.router.generate import generate as run_generate
     from tgi_vlm.router.generate import timing_lines
     from tgi_vlm.router.requests import RequestParams
@@ -435,7 +440,8 @@ def bench(
     out_dir: Path = Path("benchmarks/results"),
     name: Optional[str] = None,
     logger_level: str = "WARNING",
-    workload: Annotated[str, typer.Option(help="synthetic (vs transformers) | multiturn | shared-prefix "
+    workload: Annotated[str, typer.Option(help="synthetic (vs transformers) | video (a clip per request, vs "
+                                                   "transformers) | multiturn | shared-prefix "
                                                    "(the last two: prefix caching off vs on)")] = "synthetic",
     prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache (synthetic workload)")] = True,
     system_tokens: Annotated[int, typer.Option(help="Shared system prompt, tokens (shared-prefix: default 256)")] = 0,

@@ -62,14 +62,43 @@ class InputLimits:
     max_images_per_request: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 64 * 1024 * 1024  # decompression-bomb guard (width*height)
+    # Videos (video.py): every limit refuses the clip with a per-request error, except `max_video_frames`, which
+    # caps the frame sampler (a long clip is sampled more sparsely, as Qwen's own max_frames does).
+    max_videos_per_request: int = 2
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_frames: int = 32  # sampled frames kept per clip (even, for temporal_patch_size 2)
+    max_video_source_frames: int = 36_000  # frames in the file (20 min at 30 fps): bounds decoding work
+    max_video_seconds: float = 1200.0
+    max_video_frame_pixels: int = 4096 * 2160  # per frame, from the stream header: decompression-bomb guard
+    max_video_pixels: int = 32 * 1280 * 720  # sampled frames × frame pixels: what decoding holds (×3 bytes)
+    video_decode_timeout_s: float = 20.0
+    video_fps: float = 2.0  # frames sampled per second of clip (Qwen2-VL's default), within the processor's bounds
+    video_codecs: tuple[str, ...] = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg", "ffv1")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> InputLimits:
-        return cls(
+    def from_env(cls, env: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None) -> InputLimits:
+        """From `env` (default: this process's environment) with `overrides` on top (a shard's own environment:
+        the router driver's token counter must apply the limits the shard it starts will)."""
+        env = {**(os.environ if env is None else env), **(overrides or {})}
+        codecs = env.get("TGI_VLM_VIDEO_CODECS")
+        limits = cls(
             max_images_per_request=_int(env, "TGI_VLM_MAX_IMAGES_PER_REQUEST", cls.max_images_per_request),
             max_image_bytes=_int(env, "TGI_VLM_MAX_IMAGE_BYTES", cls.max_image_bytes),
             max_image_pixels=_int(env, "TGI_VLM_MAX_IMAGE_PIXELS", cls.max_image_pixels),
+            max_videos_per_request=_int(env, "TGI_VLM_MAX_VIDEOS_PER_REQUEST", cls.max_videos_per_request),
+            max_video_bytes=_int(env, "TGI_VLM_MAX_VIDEO_BYTES", cls.max_video_bytes),
+            max_video_frames=_int(env, "TGI_VLM_MAX_VIDEO_FRAMES", cls.max_video_frames),
+            max_video_source_frames=_int(env, "TGI_VLM_MAX_VIDEO_SOURCE_FRAMES", cls.max_video_source_frames),
+            max_video_seconds=_float(env, "TGI_VLM_MAX_VIDEO_SECONDS", cls.max_video_seconds),
+            max_video_frame_pixels=_int(env, "TGI_VLM_MAX_VIDEO_FRAME_PIXELS", cls.max_video_frame_pixels),
+            max_video_pixels=_int(env, "TGI_VLM_MAX_VIDEO_PIXELS", cls.max_video_pixels),
+            video_decode_timeout_s=_float(env, "TGI_VLM_VIDEO_DECODE_TIMEOUT_S", cls.video_decode_timeout_s),
+            video_fps=_float(env, "TGI_VLM_VIDEO_FPS", cls.video_fps),
+            video_codecs=tuple(c.strip() for c in codecs.split(",") if c.strip()) if codecs else cls.video_codecs,
         )
+        if limits.max_video_frames < 1 or limits.video_decode_timeout_s <= 0 or limits.video_fps <= 0:
+            raise ValueError(f"video limits must be positive, got {limits}")
+        return limits
 
 
 @dataclass(frozen=True)

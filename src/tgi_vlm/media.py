@@ -6,8 +6,8 @@ the architecture's placeholder text and the token its embedding rows fill
 (`VlmPrompt.placeholder(kind)`, `VlmPrompt.media_token_id(kind)`), its encoder call
 (`VlmAdapter.encode(kind, inputs)`), its spans (`MediaSpan.kind`) and the keys of work cached for it
 (`MediaRef.kind` in prefix-block keys, `MediaSpan.feature_key` in the encoder cache).
-Only images exist today; video (Qwen2-VL / Qwen2.5-VL) is meant to be a second member, not a
-second copy of those paths.
+Images and videos (Qwen2-VL / Qwen2.5-VL: a clip's sampled frames, `video.py`) go through the same
+paths; only the decoder, the processor argument and the encoder call differ per kind.
 
 A plain Enum, not a str one, so that a prompt part (text `str` or a `MediaKind` marking where an
 item goes) tells text from media by type. This module imports nothing of the package: every
@@ -16,13 +16,23 @@ layer may use it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 
 
 class MediaKind(Enum):
     IMAGE = "image"
+    VIDEO = "video"
 
     @property
     def plural(self) -> str:
         """For messages: "images"."""
         return f"{self.value}s"
+
+
+@dataclass(frozen=True)
+class VideoBytes:
+    """An encoded clip among a request's chunks, where plain `bytes` are an image (`router/requests.py`)."""
+
+    data: bytes
+    mimetype: str = "video/mp4"  # advisory: the shard sniffs the container

@@ -25,9 +25,12 @@ from transformers import AutoTokenizer
 
 from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.e2e.launching import ImageServer, Launch
+from tests.models.video_reference import video_reference
 from tests.models.vlm_reference import hf_reference
 from tgi_vlm.api.images import split_markdown
+from tgi_vlm.media import VideoBytes
 from tgi_vlm.testing import make_test_image, png_bytes, tiny_model_path
+from tgi_vlm.video import encode_clip, make_test_frames
 
 KEY = "sk-test-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -110,7 +113,8 @@ def test_info_health_models_and_metrics_answer_without_a_key(launch, model):
     info = httpx.get(f"{launch.url}/info").json()
     assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
                           "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
-                          "max_client_batch_size", "router", "version", "sha", "docker_label"]
+                          "max_client_batch_size", "router", "version", "sha", "docker_label", "media"]
+    assert info["media"] == ["image", "video"]
     assert (info["model_id"], info["model_pipeline_tag"], info["max_concurrent_requests"], info["max_best_of"],
             info["max_input_tokens"], info["max_total_tokens"]) == (model, "image-text-to-text", 64, 2, MAX_INPUT,
                                                                      MAX_TOTAL)
@@ -202,6 +206,29 @@ def test_chat_with_an_image_gives_the_same_tokens_in_both_sdks_streamed_or_not_a
     assert [t.token for t in out.choices[0].logprobs.content] == want
     streamed = list(hub.chat_completion(messages, max_tokens=N, temperature=0, logprobs=True, stream=True))
     assert [c.choices[0].logprobs.content[0].token for c in streamed] == want
+
+
+CLIP = encode_clip(make_test_frames(4, 56, 42, seed=2), 2.0, codec="h264", container="mp4")
+
+
+def test_a_chat_video_url_gives_transformers_tokens_and_a_bad_clip_is_a_422(launch):
+    clip_uri = "data:video/mp4;base64," + base64.b64encode(CLIP).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip_uri}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    templated = AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl")).apply_chat_template(
+        [{"role": "user", "content": f"![video]({clip_uri})What happens?"}], tokenize=False, add_generation_prompt=True)
+    chunks = tuple(c if isinstance(c, str) else VideoBytes(CLIP) for c in split_markdown(templated))
+    want = video_reference("qwen2_vl", chunks, N).ids
+    generated = generate(launch, templated, max_new_tokens=N, decoder_input_details=False)
+    assert ids(generated["details"]) == want[: len(ids(generated["details"]))]
+    out = post(launch, "/v1/chat/completions", {"model": "tgi", "messages": messages, "max_tokens": N,
+                                                "temperature": 0})
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["message"]["content"] == generated["generated_text"]
+    bad = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]
+    refused = post(launch, "/v1/chat/completions", {"model": "tgi", "messages": bad, "max_tokens": 2})
+    assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+    assert "video 0: cannot read the container" in refused.json()["error"], refused.json()
 
 
 def test_the_raw_chat_stream_ends_with_the_literal_done_event_and_echoes_the_model_name(launch):

@@ -14,17 +14,38 @@ from starlette.exceptions import HTTPException
 from tgi_vlm.api.chat import ChatTemplate
 from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.guards import Guards
-from tgi_vlm.api.images import decode_data_uri, split_markdown
+from tgi_vlm.api.images import FetchLimits, ImageResolver, decode_data_uri, split_markdown
 from tgi_vlm.api.infer import own_reason, request_error
 from tgi_vlm.api.metrics import CounterSet
 from tgi_vlm.api.schemas import ChatMessage, ChatRequest, CompletionRequest, GenerateRequest
+from tgi_vlm.media import MediaKind
 from tgi_vlm.router.requests import FinalEvent
+
+IMAGE, VIDEO = MediaKind.IMAGE, MediaKind.VIDEO
 
 
 def test_markdown_images_split_the_prompt_in_order_without_empty_text():
     assert split_markdown("![](a.png)Describe ![](data:x;base64,AA) and ![](b)") == [
-        ("a.png",), "Describe ", ("data:x;base64,AA",), " and ", ("b",)]
+        ("a.png", IMAGE), "Describe ", ("data:x;base64,AA", IMAGE), " and ", ("b", IMAGE)]
     assert split_markdown("no images ![alt](x.png) here") == ["no images ![alt](x.png) here"]  # TGI: empty alt only
+
+
+def test_a_clip_is_markdown_with_the_alt_text_video():
+    assert split_markdown("Watch ![video](data:video/mp4;base64,AA) then ![](i.png)") == [
+        "Watch ", ("data:video/mp4;base64,AA", VIDEO), " then ", ("i.png", IMAGE)]
+
+
+def test_a_clip_for_a_model_without_video_is_a_422_before_anything_is_fetched():
+    resolver = ImageResolver(FetchLimits(1000, 1.0))
+    with pytest.raises(ApiError) as info:
+        asyncio.run(resolver.chunks("see ![video](https://example.invalid/clip.mp4)", (IMAGE,)))
+    assert info.value.status == 422 and "this model takes no video inputs; it takes: image" in str(info.value)
+
+
+def test_a_chat_video_url_part_becomes_video_markdown():
+    message = ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA"}}, {"type": "text", "text": "What?"}]})
+    assert message.text() == "![video](data:video/mp4;base64,AA)What?"
 
 
 def test_data_uris_decode_or_say_what_is_wrong():

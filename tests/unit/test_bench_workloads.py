@@ -28,11 +28,24 @@ NO_EOS = WorkloadOptions(ignore_eos=False)
 
 def test_an_unknown_workload_or_target_lists_the_known_ones():
     with pytest.raises(BenchError) as workload:
-        workloads.workload_named("video")
-    assert str(workload.value) == "unknown --workload 'video'; known: synthetic, multiturn, shared-prefix"
+        workloads.workload_named("audio")
+    assert str(workload.value) == "unknown --workload 'audio'; known: synthetic, multiturn, shared-prefix, video"
     with pytest.raises(BenchError) as target:
         targets.target_for(BenchOptions("m", target="llamacpp"))
     assert str(target.value) == "unknown --target 'llamacpp'; known: driver, http"
+
+
+def test_the_video_workload_sends_one_clip_per_request_the_same_every_run_and_http_writes_it_as_markdown():
+    from tgi_vlm.benchmarking.targets.http import request_body
+    from tgi_vlm.media import VideoBytes
+    from tgi_vlm.router.tokens import TokenCounter
+
+    tokenizer = TokenCounter(str(tiny_model_path("qwen2_vl"))).tokenizer
+    options = WorkloadOptions(num_requests=3, image_min=32, image_max=64, output_min=2, output_max=4)
+    first, again = (workloads.workload_named("video").build(options, tokenizer) for _ in range(2))
+    clips = [[c for c in item.params.chunks if isinstance(c, VideoBytes)] for item in first.items]
+    assert [len(c) for c in clips] == [1, 1, 1] and [i.params for i in first.items] == [i.params for i in again.items]
+    assert request_body(first.items[0].params)["inputs"].startswith("![video](data:video/mp4;base64,")
 
 
 def test_the_target_is_the_driver_unless_a_url_is_given_or_a_target_named():

@@ -43,6 +43,27 @@ def test_every_variable_is_read():
     assert engine.decode_mirror_share == 0.25
 
 
+def test_the_video_limits_default_to_the_readmes_and_each_is_read():
+    limits = InputLimits.from_env({})
+    assert (limits.max_videos_per_request, limits.max_video_bytes, limits.max_video_frames,
+            limits.max_video_source_frames, limits.max_video_seconds, limits.max_video_frame_pixels,
+            limits.max_video_pixels, limits.video_decode_timeout_s, limits.video_fps) == (
+        2, 64 * MiB, 32, 36000, 1200.0, 4096 * 2160, 32 * 1280 * 720, 20.0, 2.0)
+    assert limits.video_codecs == ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mjpeg", "ffv1")
+    names = ("MAX_VIDEOS_PER_REQUEST", "MAX_VIDEO_BYTES", "MAX_VIDEO_FRAMES", "MAX_VIDEO_SOURCE_FRAMES",
+             "MAX_VIDEO_SECONDS", "MAX_VIDEO_FRAME_PIXELS", "MAX_VIDEO_PIXELS", "VIDEO_DECODE_TIMEOUT_S", "VIDEO_FPS")
+    read = InputLimits.from_env({**{f"TGI_VLM_{n}": str(i + 3) for i, n in enumerate(names)},
+                                 "TGI_VLM_VIDEO_CODECS": "h264, vp9"})
+    assert (read.max_videos_per_request, read.max_video_bytes, read.max_video_frames, read.max_video_source_frames,
+            read.max_video_seconds, read.max_video_frame_pixels, read.max_video_pixels, read.video_decode_timeout_s,
+            read.video_fps, read.video_codecs) == (3, 4, 5, 6, 7.0, 8, 9, 10.0, 11.0, ("h264", "vp9"))
+    with pytest.raises(ValueError, match="video limits must be positive"):
+        InputLimits.from_env({"TGI_VLM_VIDEO_FPS": "0"})
+    # the driver's counter: its process environment with the shard's own on top
+    assert InputLimits.from_env({"TGI_VLM_MAX_VIDEO_FRAMES": "4"}, {"TGI_VLM_MAX_VIDEO_BYTES": "9"}).max_video_frames == 4
+    assert InputLimits.from_env({"TGI_VLM_MAX_VIDEO_BYTES": "4"}, {"TGI_VLM_MAX_VIDEO_BYTES": "9"}).max_video_bytes == 9
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
 def test_a_decode_mirror_share_that_is_not_a_finite_non_negative_number_is_refused_at_start(value):
     with pytest.raises(ValueError, match="TGI_VLM_DECODE_MIRROR"):

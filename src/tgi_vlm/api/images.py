@@ -1,7 +1,9 @@
-"""Images in request text, TGI's way: markdown `![](data:image/png;base64,...)` or `![](https://...)`.
+"""Images in request text, TGI's way: markdown `![](data:image/png;base64,...)` or `![](https://...)`;
+clips (a tgi-vlm extension) as `![video](data:video/mp4;base64,...)` or `![video](https://...)`.
 
-`ImageResolver.chunks(text)` splits a prompt into text (str) and image (bytes) chunks in order, as
-TGI's router does before it calls the shard (router/src/validation.rs `prepare_input`). Data URIs
+`ImageResolver.chunks(text, kinds)` splits a prompt into text (str), image (bytes) and clip (VideoBytes)
+chunks in order, as TGI's router does before it calls the shard (router/src/validation.rs `prepare_input`).
+A clip for a model without video (`kinds`) is a 422 before anything is fetched. Data URIs
 are decoded here; http(s) URLs are fetched with a byte limit (checked on Content-Length and while
 reading) and a wall-clock limit for the whole fetch. Any other scheme is refused. Decoding and
 pixel limits are the shard's (the router's token counter runs the same checks before queueing).
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 import httpx
 
 from tgi_vlm.api.errors import ApiError, validation_error
+from tgi_vlm.media import MediaKind, VideoBytes
 
-IMAGE_MARKDOWN = re.compile(r"!\[\]\([^\)]*\)")  # TGI's pattern
+IMAGE_MARKDOWN = re.compile(r"!\[(video)?\]\(([^\)]*)\)")  # TGI's pattern, and the same with the alt text "video"
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,14 @@ class FetchLimits:
     timeout_s: float
 
 
-def split_markdown(text: str) -> list[str | tuple[str]]:
-    """Text pieces (str) and image references (a 1-tuple holding the URL), in order; no empty text."""
-    pieces: list[str | tuple[str]] = []
+def split_markdown(text: str) -> list[str | tuple[str, MediaKind]]:
+    """Text pieces (str) and media references ((URL, kind)), in order; no empty text."""
+    pieces: list[str | tuple[str, MediaKind]] = []
     start = 0
     for match in IMAGE_MARKDOWN.finditer(text):
         if match.start() > start:
             pieces.append(text[start : match.start()])
-        pieces.append((match.group(0)[4:-1],))
+        pieces.append((match.group(2), MediaKind.VIDEO if match.group(1) else MediaKind.IMAGE))
         start = match.end()
     if start < len(text):
         pieces.append(text[start:])
@@ -65,8 +68,18 @@ class ImageResolver:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def chunks(self, text: str) -> list[str | bytes]:
-        return [p if isinstance(p, str) else await self.load(p[0]) for p in split_markdown(text)]
+    async def chunks(self, text: str, kinds: tuple[MediaKind, ...] = (MediaKind.IMAGE,)) -> list[str | bytes | VideoBytes]:
+        """The prompt's chunks; `kinds`: what the model takes (a clip for a model without video is a 422)."""
+        pieces = split_markdown(text)
+        for piece in pieces:
+            if not isinstance(piece, str) and piece[1] not in kinds:
+                raise validation_error(f"this model takes no {piece[1].value} inputs; it takes: "
+                                       f"{', '.join(k.value for k in kinds)}")
+        return [p if isinstance(p, str) else await self._chunk(*p) for p in pieces]
+
+    async def _chunk(self, url: str, kind: MediaKind) -> bytes | VideoBytes:
+        data = await self.load(url)
+        return VideoBytes(data, _mimetype(url, "video/mp4")) if kind is MediaKind.VIDEO else data
 
     async def load(self, url: str) -> bytes:
         if url.startswith("data:"):
@@ -98,6 +111,11 @@ class ImageResolver:
             raise
         except (httpx.HTTPError, OSError) as exc:
             raise validation_error(f"Could not fetch image: {url}: {type(exc).__name__}: {exc}") from None
+
+
+def _mimetype(url: str, default: str) -> str:
+    """A data URI's declared type (advisory: the shard sniffs the bytes)."""
+    return url[len("data:") : url.index(";")] if url.startswith("data:") and ";" in url else default
 
 
 def _too_large(size: int, limit: int) -> ApiError:

@@ -78,6 +78,13 @@ class ImagePart(_Body):
     image_url: ImageUrl
 
 
+class VideoPart(_Body):
+    """vLLM's shape: `{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..." | "https://..."}}`."""
+
+    type: Literal["video_url"]
+    video_url: ImageUrl
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; TGI clients an object
@@ -91,18 +98,27 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: str
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None  # a `tool` message: which call it answers
     name: str | None = None
 
     def text(self) -> str:
-        """TGI's `TextMessage`: parts joined, each image as markdown `![](url)` in its place."""
+        """TGI's `TextMessage`: parts joined, each image as markdown `![](url)` in its place (a clip as
+        `![video](url)`, api/images.py)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text if isinstance(p, TextPart) else f"![]({p.image_url.url})" for p in self.content)
+        return "".join(_part_text(p) for p in self.content)
+
+
+def _part_text(part: TextPart | ImagePart | VideoPart) -> str:
+    if isinstance(part, TextPart):
+        return part.text
+    if isinstance(part, VideoPart):
+        return f"![video]({part.video_url.url})"
+    return f"![]({part.image_url.url})"
 
 
 class FunctionDefinition(_Body):

@@ -52,6 +52,7 @@ class Validator:
         self.lengths = lengths
         self.images = images
         self.takes_images = counter.prompt is not None  # text-only models keep markdown as text, as TGI does
+        self.media_kinds = counter.prompt.media_kinds if counter.prompt is not None else ()
 
     async def validate(self, inputs: str, p: Parameters, *, add_special_tokens: bool = True,
                        stream: bool = False) -> ValidRequest:
@@ -59,7 +60,7 @@ class Validator:
         if not inputs:
             raise validation_error("`inputs` cannot be empty")
         truncate = self._truncate(p.truncate)
-        chunks = await self.images.chunks(inputs) if self.takes_images else [inputs]
+        chunks = await self.images.chunks(inputs, self.media_kinds) if self.takes_images else [inputs]
         params = RequestParams(
             chunks, max_new_tokens=1, temperature=_or(p.temperature, 1.0), top_k=_or(p.top_k, 0),
             top_p=_or(p.top_p, 1.0), typical_p=_or(p.typical_p, 1.0),

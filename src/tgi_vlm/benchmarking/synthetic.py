@@ -63,6 +63,29 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
     return items
 
 
+def make_video_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
+    """One clip per request (Qwen2-VL / Qwen2.5-VL): 4, 6 or 8 noise frames at 1, 2 or 4 fps, each side uniform in
+    [image_min, image_max], h264 in mp4; then a prompt as `make_workload`. Deterministic for a seed."""
+    from tgi_vlm.media import VideoBytes
+    from tgi_vlm.video import encode_clip, make_test_frames
+
+    rng = random.Random(spec.seed)
+    items, clock = [], 0.0
+    for i in range(spec.num_requests):
+        frames, fps = rng.choice((4, 6, 8)), rng.choice((1, 2, 4))
+        width, height = (rng.randint(spec.image_min, spec.image_max) // 2 * 2 for _ in range(2))  # yuv420p: even
+        clip = encode_clip(make_test_frames(frames, width, height, seed=spec.seed * 100_003 + i), fps,
+                           codec="h264", container="mp4")
+        target = rng.randint(spec.prompt_min, spec.prompt_max)
+        text = prompt_of(target, rng, tokenizer)
+        outputs = rng.randint(spec.output_min, spec.output_max)
+        if spec.rate:
+            clock += rng.expovariate(spec.rate)
+        params = RequestParams([VideoBytes(clip), text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos)
+        items.append(WorkItem(params, target, [], clock))
+    return items
+
+
 def prompt_of(tokens: int, rng: random.Random, tokenizer) -> str:
     """Text of about `tokens` tokens of random words."""
     text = " ".join(rng.choice(WORDS) for _ in range(tokens))

@@ -6,6 +6,7 @@
                    the driver's prefix cache off vs on
     shared-prefix  independent requests that all open with one system prompt (default 256 tokens);
                    the driver's prefix cache off vs on
+    video          one short clip + text per request (Qwen2-VL / Qwen2.5-VL); compared with transformers' generate
 
 A new workload is one `register(Workload(...))`: its name, a line saying what it is, the comparison it
 runs (a key of comparisons.COMPARISONS) and `build`: the bench's workload options and the model's
@@ -20,7 +21,13 @@ from typing import Any
 
 from tgi_vlm.benchmarking.load import Chats, Load, Requests
 from tgi_vlm.benchmarking.options import BenchError, WorkloadOptions
-from tgi_vlm.benchmarking.synthetic import ConversationSpec, WorkloadSpec, make_conversations, make_workload
+from tgi_vlm.benchmarking.synthetic import (
+    ConversationSpec,
+    WorkloadSpec,
+    make_conversations,
+    make_video_workload,
+    make_workload,
+)
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,11 @@ def _shared_prefix(o: WorkloadOptions, tokenizer) -> Requests:
     return Requests(spec, make_workload(spec, tokenizer))
 
 
+def _video(o: WorkloadOptions, tokenizer) -> Requests:
+    spec = serving_spec(o, 0)
+    return Requests(spec, make_video_workload(spec, tokenizer))
+
+
 def _multiturn(o: WorkloadOptions, tokenizer) -> Chats:
     spec = ConversationSpec(conversations=o.conversations, turns=o.turns, seed=o.seed)
     return Chats(spec, make_conversations(spec, tokenizer))
@@ -72,3 +84,5 @@ register(Workload("multiturn", "conversations resending their history, the prefi
                   "prefix-caching", _multiturn))
 register(Workload("shared-prefix", "requests opening with one system prompt, the prefix cache off vs on",
                   "prefix-caching", _shared_prefix))
+register(Workload("video", "one clip (4-8 frames at 1-4 fps) + text per request, vs transformers", "reference",
+                  _video))

@@ -6,7 +6,7 @@ Two stores with different owners:
   the step that computes the span's last token; filtering or releasing a sequence pops its
   entries. So a finished scenario leaves `num_entries == 0`.
 - a cross-request LRU keyed by content (the engine uses `MediaSpan.feature_key`: the item's kind and
-  the sha256 of its bytes) and bounded in bytes, which lets a repeated image skip the vision tower
+  the sha256 of its bytes) and bounded in bytes, which lets a repeated image or clip skip the vision tower
   (TGI recomputes it). Entries there are copies' references, evicted oldest-first when over budget;
   0 bytes disables it.
 """
@@ -71,6 +71,11 @@ class EncoderCache:
         while self._shared_bytes > self.shared_capacity:
             _, evicted = self._shared.popitem(last=False)
             self._shared_bytes -= evicted.numel() * evicted.element_size()
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of features the LRU holds (a clip's rows count like an image's: grid_t × its merged patches)."""
+        return self._shared_bytes
 
     def clear_shared(self) -> None:
         self._shared.clear()

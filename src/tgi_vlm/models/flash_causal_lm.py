@@ -61,6 +61,7 @@ class FlashCausalLMBatch:
         if not pb.requests:
             raise InvalidArgument(f"batch {pb.id} has no requests")
         intake.start_grammars(model, pb.requests)  # compile off the model thread while we tokenize
+        model.start_media(pb.requests)  # VLMs: decode videos off the model thread too
         seen: set[int] = set()
 
         def tokenize(request: generate_pb2.Request) -> TokenizedPrompt:
@@ -263,6 +264,9 @@ class FlashCausalLM(ShardModel):
 
     def concatenate(self, batches: list[FlashCausalLMBatch]) -> FlashCausalLMBatch:
         return self.batch_type.concatenate(batches)
+
+    def start_media(self, requests) -> None:
+        """Start decoding media that decode off the model thread (VLMs: videos); text models take none."""
 
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
         parts = []

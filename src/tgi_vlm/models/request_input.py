@@ -23,7 +23,7 @@ class MediaChunk:
 
 
 # The proto's `InputChunk` oneof field of each media kind (the other field is "text").
-CHUNK_KINDS = {"image": MediaKind.IMAGE}
+CHUNK_KINDS = {"image": MediaKind.IMAGE, "video": MediaKind.VIDEO}  # video: a tgi-vlm superset field
 
 
 def request_chunks(request: generate_pb2.Request) -> list[str | MediaChunk]:

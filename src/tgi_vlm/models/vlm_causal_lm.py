@@ -1,4 +1,4 @@
-"""VlmCausalLMBatch and VlmCausalLM: the media path (images) on top of the flash engine.
+"""VlmCausalLMBatch and VlmCausalLM: the media path (images, videos) on top of the flash engine.
 
 Per step (see DESIGN.md): find the media spans overlapping each sequence's token window, encode
 the items not yet in the encoder cache (one batched encoder call per kind), scatter exactly the
@@ -17,6 +17,7 @@ from tgi_vlm.models.architectures import adapter_for
 from tgi_vlm.models.encoder_cache import EncoderCache
 from tgi_vlm.models.flash_causal_lm import FlashCausalLM, FlashCausalLMBatch
 from tgi_vlm.models.intake import TokenizedPrompt
+from tgi_vlm.models.media_prefetch import MediaPrefetch
 from tgi_vlm.models.media_spans import MediaSpan, spans_overlapping
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.models.step import StepInputs
@@ -40,6 +41,7 @@ class VlmCausalLM(FlashCausalLM):
         self.adapter = adapter_for(model.config.model_type)(model, processor, model.config)
         super().__init__(model, processor.tokenizer, config, model_id=model_id, layout=layout)
         self.encoder_cache = EncoderCache(shared_bytes=config.encoder_cache_bytes)
+        self.media_prefetch = MediaPrefetch(self.adapter.prompt, config.limits)
 
     def find_language_model(self) -> torch.nn.Module:
         return self.adapter.language_model()
@@ -60,8 +62,13 @@ class VlmCausalLM(FlashCausalLM):
         return False
 
     # ----- requests (vlm_intake.py) -----
+    def start_media(self, requests) -> None:
+        """Start decoding the batch's videos on worker threads (media_prefetch.py)."""
+        self.media_prefetch.start(requests)
+
     def tokenize_request(self, request: generate_pb2.Request, *, warmup: bool = False) -> TokenizedPrompt:
-        parts, items, digests = prompt_parts(self.adapter.prompt, request, self.config.limits)
+        parts, items, digests = prompt_parts(self.adapter.prompt, request, self.config.limits,
+                                             self.media_prefetch.take(request))
         try:
             ids, processed, spans = tokenize_media(self.adapter.prompt, request, parts, items, digests, warmup=warmup)
         except MediaCutInWarmup as cut:

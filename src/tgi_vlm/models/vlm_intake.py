@@ -1,4 +1,4 @@
-"""VLM request intake: decode the request's media items (images), lay out the prompt with the
+"""VLM request intake: decode the request's media items (images, videos), lay out the prompt with the
 architecture's placeholders, run the processor (the source of truth for media tokens), locate each
 item's span and apply `truncate` without ever cutting through an item.
 
@@ -6,13 +6,17 @@ Only the prompt half of the adapter (`VlmPrompt`: processor, no weights) is need
 router's token counter shares `prompt_parts` with the engine. A prompt is a list of parts: text, or
 the `MediaKind` of the item that goes there; the decoded items and their digests come alongside, in
 prompt order.
+
+Videos are decoded on worker threads (`media_prefetch.py`), started when the batch arrives; intake takes
+each result (or its refusal) in prompt order. Without a prefetch (the router's counter) a video decodes here.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tgi_vlm.config import InputLimits
@@ -23,6 +27,7 @@ from tgi_vlm.models.architectures.base import PromptPart, UnsupportedMediaKind, 
 from tgi_vlm.models.media_spans import MediaSpan, locate_spans
 from tgi_vlm.models.request_input import request_chunks
 from tgi_vlm.pb import generate_pb2
+from tgi_vlm.video import VideoError, decode_video
 
 # Processor outputs laid out along the prompt (cut with it by truncation).
 PER_TOKEN_KEYS = ("input_ids", "mm_token_type_ids", "token_type_ids")
@@ -32,14 +37,21 @@ PER_TOKEN_KEYS = ("input_ids", "mm_token_type_ids", "token_type_ids")
 class Decoder:
     """How the items of one kind are read from untrusted bytes."""
 
-    decode: Callable[[bytes, InputLimits], object]
+    decode: Callable[[bytes, InputLimits, VlmPrompt], object]  # the prompt half: a video's frame sampler
     error: type[Exception]  # what `decode` raises for bad content; its message says why
     max_per_request: Callable[[InputLimits], int]
+    off_thread: bool = False  # decoded by `media_prefetch.MediaPrefetch` while the batch is tokenized
 
 
 DECODERS: dict[MediaKind, Decoder] = {
-    MediaKind.IMAGE: Decoder(decode_image, ImageError, lambda limits: limits.max_images_per_request),
+    MediaKind.IMAGE: Decoder(lambda data, limits, prompt: decode_image(data, limits), ImageError,
+                             lambda limits: limits.max_images_per_request),
+    MediaKind.VIDEO: Decoder(lambda data, limits, prompt: decode_video(data, limits, prompt.frame_sampler(limits)),
+                             VideoError, lambda limits: limits.max_videos_per_request, off_thread=True),
 }
+
+# A request's prefetched decodes by chunk position: each future gives (item, sha256 hex of its bytes).
+Prefetched = Mapping[int, Future]
 
 
 class MediaCutInWarmup(Exception):
@@ -52,13 +64,13 @@ def media_kinds(parts: list[PromptPart]) -> list[MediaKind]:
 
 
 def prompt_parts(prompt: VlmPrompt, request: generate_pb2.Request, limits: InputLimits,
-                 ) -> tuple[list[PromptPart], list, list[str]]:
+                 prefetched: Prefetched | None = None) -> tuple[list[PromptPart], list, list[str]]:
     """(parts: text, or the kind of the item that goes there; the decoded items; sha256 of each item's bytes).
     The one place a kind is checked against the architecture: past here every item is one it takes."""
     parts: list[PromptPart] = []
     items, digests = [], []
     per_kind: Counter[MediaKind] = Counter()
-    for chunk in request_chunks(request):
+    for position, chunk in enumerate(request_chunks(request)):
         if isinstance(chunk, str):
             parts.append(chunk)
             continue
@@ -71,19 +83,30 @@ def prompt_parts(prompt: VlmPrompt, request: generate_pb2.Request, limits: Input
             raise InvalidRequest(request.id, f"more than {decoder.max_per_request(limits)} {chunk.kind.plural} "
                                              "in one request")
         try:
-            items.append(decoder.decode(chunk.data, limits))
+            item, digest = _decoded(prompt, decoder, chunk.data, limits, (prefetched or {}).get(position))
         except decoder.error as exc:
             raise InvalidRequest(request.id, f"{chunk.kind.value} {n}: {exc}") from None
+        items.append(item)
         per_kind[chunk.kind] += 1
-        digests.append(hashlib.sha256(chunk.data).hexdigest())
+        digests.append(digest)
         parts.append(chunk.kind)
     return parts, items, digests
+
+
+def decode_item(prompt: VlmPrompt, decoder: Decoder, data: bytes, limits: InputLimits) -> tuple[object, str]:
+    """(decoded item, sha256 hex of `data`): what a prefetch future gives."""
+    return decoder.decode(data, limits, prompt), hashlib.sha256(data).hexdigest()
+
+
+def _decoded(prompt: VlmPrompt, decoder: Decoder, data: bytes, limits: InputLimits, future: Future | None):
+    return future.result() if future is not None else decode_item(prompt, decoder, data, limits)
 
 
 def process_prompt(prompt: VlmPrompt, request: generate_pb2.Request, parts: list[PromptPart], items: list) -> dict:
     """The processor on the whole prompt; any failure on user content is that request's error."""
     try:
-        return prompt.process(prompt.build_prompt(parts), items, add_special_tokens=request.add_special_tokens)
+        return prompt.process(prompt.build_prompt(parts), items, add_special_tokens=request.add_special_tokens,
+                              kinds=media_kinds(parts))
     except Exception as exc:  # noqa: BLE001
         raise InvalidRequest(request.id, f"the processor rejected the input: {type(exc).__name__}: {exc}") from None
 

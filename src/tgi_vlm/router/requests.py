@@ -10,14 +10,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tgi_vlm.media import VideoBytes
 from tgi_vlm.pb import generate_pb2 as pb
+
+Chunk = str | bytes | VideoBytes  # text, an image's bytes, a clip's bytes
 
 
 @dataclass
 class RequestParams:
-    """One generation request. `chunks` are text (str) and images (bytes) in prompt order."""
+    """One generation request. `chunks` are text (str), images (bytes) and clips (VideoBytes) in prompt order."""
 
-    chunks: list[str | bytes]
+    chunks: list[Chunk]
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
@@ -58,19 +61,16 @@ class RequestParams:
         )
 
 
-def build_request(request_id: int, chunks: Sequence[str | bytes], *, parameters: dict | None = None,
+def build_request(request_id: int, chunks: Sequence[Chunk], *, parameters: dict | None = None,
                   max_new_tokens: int = 16, stop_sequences: Sequence[str] = (), ignore_eos: bool = False,
                   truncate: int = 0, prefill_logprobs: bool = False, top_n_tokens: int = 0,
                   add_special_tokens: bool = True, blocks: Sequence[int] = (), slots: Sequence[int] = (),
                   chunk_len: int | None = None, cache_len: int = 0, mimetype: str = "image/png",
                   adapter_id: str = "") -> pb.Request:
-    """The one place a `generate_pb2.Request` is built from text (str) and image (bytes) chunks in
-    prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything).
+    """The one place a `generate_pb2.Request` is built from text (str), image (bytes) and clip (VideoBytes)
+    chunks in prompt order, as TGI's router sends it (`inputs` holds the text, `input_chunks` everything).
     `adapter_id` "" leaves the optional field unset, as TGI's router does for no adapter."""
-    input_chunks = [
-        pb.InputChunk(text=c) if isinstance(c, str) else pb.InputChunk(image=pb.Image(data=c, mimetype=mimetype))
-        for c in chunks
-    ]
+    input_chunks = [_input_chunk(c, mimetype) for c in chunks]
     request = pb.Request(
         id=request_id,
         inputs="".join(c for c in chunks if isinstance(c, str)),
@@ -168,3 +168,11 @@ class FinalEvent:
 
 
 Event = TokenEvent | FinalEvent
+
+
+def _input_chunk(chunk: Chunk, image_mimetype: str) -> pb.InputChunk:
+    if isinstance(chunk, str):
+        return pb.InputChunk(text=chunk)
+    if isinstance(chunk, VideoBytes):  # a tgi-vlm superset field: TGI's routers never send it
+        return pb.InputChunk(video=pb.Video(data=chunk.data, mimetype=chunk.mimetype))
+    return pb.InputChunk(image=pb.Image(data=chunk, mimetype=image_mimetype))

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from tgi_vlm.config import InputLimits
 from tgi_vlm.router.client import ShardClient
 from tgi_vlm.router.router import Router, RouterConfig
 from tgi_vlm.router.shard import ShardProcess
@@ -41,7 +42,9 @@ async def router_session(model_id: str, *, uds_path: str | None = None, shard_en
                          ) -> AsyncIterator[Session]:
     """Yield a warmed-up router whose loop is running; on exit stop it and SIGTERM the shard we started."""
     config = config or RouterConfig()
-    counting = asyncio.create_task(asyncio.to_thread(TokenCounter, model_id))  # loads while the shard starts
+    # Loads while the shard starts; counts under the limits the shard reads from the same environment.
+    limits = InputLimits.from_env(overrides=shard_env)
+    counting = asyncio.create_task(asyncio.to_thread(TokenCounter, model_id, limits=limits))
     socket = existing_socket(uds_path)
     shard = None
     try:

@@ -36,6 +36,8 @@ def info(state: ApiState) -> dict:
         "version": __version__,
         "sha": None,
         "docker_label": None,
+        # tgi-vlm: the media kinds the model takes in prompts ([] for text-only; "video" for Qwen2-VL / 2.5-VL)
+        "media": [kind.value for kind in state.counter.prompt.media_kinds] if state.takes_images else [],
     }
 
 
@@ -66,8 +68,8 @@ async def tokenize(body: GenerateRequest, request: Request) -> JSONResponse:
     """Plain text: ids with character offsets. With images: the ids the shard will see (placeholders
     expanded by the processor), without offsets (start = stop = 0), as TGI answers without them."""
     state = state_of(request)
-    if state.takes_images and "![](" in body.inputs:
-        chunks = await state.images.chunks(body.inputs)
+    if state.takes_images and ("![](" in body.inputs or "![video](" in body.inputs):
+        chunks = await state.images.chunks(body.inputs, state.counter.prompt.media_kinds)
         ids = await state.infer.validator.input_ids(RequestParams(chunks))
         texts = state.counter.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse([{"id": i, "text": t, "start": 0, "stop": 0} for i, t in zip(ids, texts)])

@@ -9,6 +9,32 @@ import time
 
 from tgi_vlm.benchmarking.results import ReferenceResult
 from tgi_vlm.benchmarking.synthetic import WorkItem
+from tgi_vlm.media import MediaKind, VideoBytes
+
+
+def _kind(chunk) -> str | MediaKind:
+    if isinstance(chunk, str):
+        return chunk
+    return MediaKind.VIDEO if isinstance(chunk, VideoBytes) else MediaKind.IMAGE
+
+
+def _video_kwargs(clips: list[VideoBytes]) -> dict:
+    """Every frame of each clip (PyAV), sampled by the processor itself at the shard's default rate."""
+    if not clips:
+        return {}
+    import av
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    from tgi_vlm.config import InputLimits
+
+    videos, metadata = [], []
+    for clip in clips:
+        with av.open(io.BytesIO(clip.data)) as container:
+            stream = container.streams.video[0]
+            videos.append(np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)]))
+            metadata.append(VideoMetadata(total_num_frames=len(videos[-1]), fps=float(stream.average_rate)))
+    return {"videos": videos, "video_metadata": metadata, "do_sample_frames": True, "fps": InputLimits.video_fps}
 
 
 def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progress=None,
@@ -18,7 +44,6 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from tgi_vlm.media import MediaKind
     from tgi_vlm.models.architectures import prompt_for
     from tgi_vlm.models.architectures.llama4 import enable_transformers_generate
 
@@ -29,9 +54,10 @@ def run_reference(model_id: str, items: list[WorkItem], batch_size: int, progres
     prompt = prompt_for(model.config.model_type)(processor, model.config)
 
     def inputs_for(batch: list[WorkItem]) -> dict:
-        texts = [prompt.build_prompt([c if isinstance(c, str) else MediaKind.IMAGE for c in it.params.chunks]) for it in batch]
+        texts = [prompt.build_prompt([_kind(c) for c in it.params.chunks]) for it in batch]
         images = [Image.open(io.BytesIO(c)).convert("RGB") for it in batch for c in it.params.chunks if isinstance(c, bytes)]
         kwargs = {"images": images} if images else {}
+        kwargs.update(_video_kwargs([c for it in batch for c in it.params.chunks if isinstance(c, VideoBytes)]))
         inputs = dict(processor(text=texts, return_tensors="pt", padding=True, **kwargs))
         inputs.pop("labels", None)
         return inputs

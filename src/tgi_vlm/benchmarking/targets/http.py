@@ -25,6 +25,7 @@ from tgi_vlm.benchmarking.options import BenchError, BenchOptions
 from tgi_vlm.benchmarking.results import RequestResult, ServingResult
 from tgi_vlm.benchmarking.targets import register
 from tgi_vlm.benchmarking.targets.base import Session, Target
+from tgi_vlm.media import VideoBytes
 from tgi_vlm.router.requests import RequestParams
 
 
@@ -81,9 +82,17 @@ class HttpSession(Session):
 
 
 def request_body(params: RequestParams) -> dict:
-    inputs = "".join(c if isinstance(c, str) else f"![](data:image/png;base64,{base64.b64encode(c).decode()})"
-                     for c in params.chunks)
+    inputs = "".join(_markdown(c) for c in params.chunks)
     return {"inputs": inputs, "parameters": {"max_new_tokens": params.max_new_tokens, "do_sample": False}}
+
+
+def _markdown(chunk) -> str:
+    """Text as is; an image or a clip as its markdown data URI (`![video](...)`: api/images.py)."""
+    if isinstance(chunk, str):
+        return chunk
+    if isinstance(chunk, VideoBytes):
+        return f"![video](data:{chunk.mimetype};base64,{base64.b64encode(chunk.data).decode()})"
+    return f"![](data:image/png;base64,{base64.b64encode(chunk).decode()})"
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, params: RequestParams) -> RequestResult:

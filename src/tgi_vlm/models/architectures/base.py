@@ -10,8 +10,8 @@ model-side object (nor imports the attention backends: the model half imports th
   `VlmPrompt` as `.prompt`.
 The defaults fit most `*ForConditionalGeneration` classes of transformers v5; an architecture
 overrides only what differs. Every per-kind method refuses a kind the architecture does not take
-(`UnsupportedMediaKind`, naming the kind and the architecture); only images exist today
-(`tgi_vlm.media`).
+(`UnsupportedMediaKind`, naming the kind and the architecture); images everywhere, videos where
+an architecture lists `MediaKind.VIDEO` (Qwen2-VL / Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -71,17 +71,27 @@ class VlmPrompt:
         """Prompt text from the request's parts in order (a MediaKind marks where an item goes)."""
         return "".join(p if isinstance(p, str) else self.placeholder(p) for p in parts)
 
-    def process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
+    def process(self, text: str, items: list, add_special_tokens: bool = True,
+                kinds: list[MediaKind] | None = None) -> dict:
         """The processor on the whole prompt: token ids (placeholders expanded) and side inputs.
 
-        `images` are the prompt's decoded items (all images today: a second kind adds its own
-        processor argument here). `add_special_tokens` is the request's flag: TGI's chat route sends
-        False because the chat template already holds <bos>.
+        `items` are the prompt's decoded items, `kinds` their kinds (None: all images).
+        `add_special_tokens` is the request's flag: TGI's chat route sends False because the chat
+        template already holds <bos>.
         """
-        kwargs = {"images": images} if images else {}
+        kwargs = self.processor_kwargs(kinds or [MediaKind.IMAGE] * len(items), items)
         return dict(
             self.processor(text=[text], return_tensors="pt", add_special_tokens=add_special_tokens, **kwargs)
         )
+
+    def processor_kwargs(self, kinds: list[MediaKind], items: list) -> dict:
+        """The processor's keyword arguments for decoded items of the given kinds (prompt order)."""
+        images = [item for kind, item in zip(kinds, items) if kind is MediaKind.IMAGE]
+        return {"images": images} if images else {}
+
+    def frame_sampler(self, limits):
+        """`video.FrameSampler` for this architecture's processor (only architectures taking videos have one)."""
+        raise UnsupportedMediaKind(f"{type(self).__name__} samples no video frames")
 
     def expanded_ids(self, parts: list[PromptPart], items: list, add_special_tokens: bool = True
                      ) -> tuple[list[int], list[int]] | None:
@@ -102,7 +112,7 @@ class VlmPrompt:
         The count comes from the processor's own expansion, so it cannot drift from the prompt.
         """
         placeholder, token_id = self.placeholder(kind), self.media_token_id(kind)
-        out = self.processor(text=[placeholder], images=[item], return_tensors="pt")
+        out = self.processor(text=[placeholder], return_tensors="pt", **self.processor_kwargs([kind], [item]))
         count = int((out["input_ids"] == token_id).sum())
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}, count
 
@@ -130,7 +140,8 @@ class VlmAdapter:
 
     # ----- encoders -----
     # The model's encoder entry point per kind (on `model.model`, the inner multimodal model).
-    encoder_methods: ClassVar[dict[MediaKind, str]] = {MediaKind.IMAGE: "get_image_features"}
+    encoder_methods: ClassVar[dict[MediaKind, str]] = {MediaKind.IMAGE: "get_image_features",
+                                                       MediaKind.VIDEO: "get_video_features"}
     batch_encode: ClassVar[bool] = True  # items of one kind with same-shaped pixel inputs share one encoder call
 
     def encode(self, kind: MediaKind, inputs: list[dict]) -> list[torch.Tensor]:

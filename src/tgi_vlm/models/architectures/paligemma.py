@@ -23,8 +23,9 @@ class PaliGemmaPrompt(VlmPrompt):
         # it documents for building "<image>"*n + <bos> + text + "\n" itself: keep our logs quiet.
         logging.getLogger("transformers.models.paligemma.processing_paligemma").setLevel(logging.ERROR)
 
-    def process(self, text: str, images: list, add_special_tokens: bool = True) -> dict:
-        # PaliGemma's prompt layout always carries <bos> after the images (TGI forces it too).
+    def process(self, text: str, images: list, add_special_tokens: bool = True,
+                kinds: list[MediaKind] | None = None) -> dict:
+        # Every item is an image (intake refused any other kind). PaliGemma's prompt layout always carries <bos> after the images (TGI forces it too).
         if not images:  # text-only: the same layout without image tokens
             ids = self.tokenizer(self.tokenizer.bos_token + text + "\n", add_special_tokens=False, return_tensors="pt")
             return {"input_ids": ids["input_ids"], "token_type_ids": torch.zeros_like(ids["input_ids"])}
