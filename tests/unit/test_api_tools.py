@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from tgi_vlm.api import chat as chat_module
 from tgi_vlm.api.chat import ChatTemplate
 from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.grammar import grammar_fields, response_format_grammar
@@ -223,3 +224,47 @@ def generation(logprobs: list[float]) -> Generation:
 def test_best_of_picks_the_highest_mean_token_logprob_and_the_first_on_ties():
     assert best_of([generation([-1.0, -3.0]), generation([-1.5]), generation([-0.5, -4.0])]) == 1
     assert best_of([generation([-1.0]), generation([-2.0, 0.0]), generation([-1.0])]) == 0
+
+
+# Templates as transformers compiles them: loop controls and `{% generation %}` parse, and `tools` is seen.
+EXTENDED_TEMPLATES = {
+    "break": "{% for m in messages %}{% if loop.index > 9 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+             "{% if tools %}{{ tools | length }}{% endif %}",
+    "continue": "{% for m in messages %}{% if m.role == 'x' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}"
+                "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}",
+    "generation": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}{{ tools | tojson }}",
+}
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["transformers-env", "own-env"])
+@pytest.mark.parametrize("name", sorted(EXTENDED_TEMPLATES))
+def test_templates_with_transformers_extensions_are_seen_to_take_tools(name, fallback, monkeypatch):
+    if fallback:  # transformers' private compile function unusable: the equivalent environment parses the same
+        import transformers.utils.chat_template_utils as utils
+
+        def unusable(template):
+            raise RuntimeError("changed signature")
+        monkeypatch.setattr(utils, "_compile_jinja_template", unusable)
+    chat_module._variables.cache_clear()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl"))
+    template = ChatTemplate(tokenizer, template=EXTENDED_TEMPLATES[name])
+    assert template.takes_tools
+    if fallback:
+        return  # rendering is transformers' own (its compile function is what the patch broke)
+    rendered = template.apply([ChatMessage.model_validate(USER[0])], plan_tools(chat(tools=TOOLS)))
+    assert "Weather in Paris?" in rendered
+
+
+def test_a_template_that_does_not_parse_is_said_once_and_taken_as_without_tools(caplog):
+    chat_module._variables.cache_clear()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl"))
+    broken = "{% for m in messages %}{{ m.content }}{% if tools %}"
+    with caplog.at_level("WARNING", logger="tgi_vlm.api.chat"):
+        first, second = ChatTemplate(tokenizer, template=broken), ChatTemplate(tokenizer, template=broken)
+    assert not first.takes_tools and not second.takes_tools
+    warnings = [r for r in caplog.records if r.name == "tgi_vlm.api.chat"]
+    assert len(warnings) == 1 and "does not parse" in warnings[0].getMessage()
+    with pytest.raises(ApiError) as caught:
+        first.apply([ChatMessage.model_validate(USER[0])])
+    assert caught.value.status == 422
