@@ -19,7 +19,8 @@ from tgi_vlm.api.infer import Generation
 from tgi_vlm.api.reply_stream import ReplyStream
 from tgi_vlm.api.responses import best_of
 from tgi_vlm.api.schemas import ChatMessage, ChatRequest
-from tgi_vlm.api.tools import CONTENT_SCHEMA, plan_tools, read_reply
+from tgi_vlm.api.tools import CONTENT_SCHEMA, Reply, plan_tools, read_reply
+from tgi_vlm.api.tools import finish_reason as tool_finish_reason
 from tgi_vlm.generation.grammar_compiler import JSON_WHITESPACE
 from tgi_vlm.router.requests import FinalEvent, TokenEvent
 from tgi_vlm.testing import tiny_model_path
@@ -143,7 +144,19 @@ def test_a_call_keeps_its_arguments_as_the_json_text_generated():
 def test_content_is_decoded_whole_or_cut_short_and_other_text_is_returned_as_is():
     assert read_reply('{"content": "caf\\u00e9 \\"ok\\""}', "c") .content == 'café "ok"'
     assert read_reply('{"content": "half \\u00', "c").content == "half "
-    assert read_reply("plain", "c").content == "plain"
+
+
+
+def test_a_reply_cut_short_is_a_partial_call_or_partial_content_or_nothing_yet():
+    cut_call = read_reply('{"name": "get_weather", "arguments": {"city": "Pa', "call_1")
+    assert (cut_call.content, cut_call.complete) == (None, False)
+    assert cut_call.tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert [tool_finish_reason(r, cut_call) for r in ("length", "stop")] == ["length", "stop"]
+    whole_call = read_reply('{"name": "noop", "arguments": {}', "call_1")  # arguments whole, `}` cut
+    assert whole_call.complete and tool_finish_reason("eos_token", whole_call) == "tool_calls"
+    assert read_reply('{"content": ""}', "c") == Reply("", None)
+    for undecided in ("", " ", '{"na', '{"name": "get_wea', '{"content":'):
+        assert read_reply(undecided, "c") == Reply(None, None)
 
 
 CALL_TEXT = st.builds(
@@ -176,11 +189,43 @@ def test_streamed_call_fragments_concatenate_to_the_whole_reply_wherever_the_tok
     assert streamed(text, cuts) == (None, whole["arguments"], whole["name"])
 
 
+CONTENT_TEXT = st.builds(lambda value, space, ascii_only: '{"content":' + space + json.dumps(value, ensure_ascii=ascii_only)
+                         + "}", st.text(max_size=12), st.sampled_from(["", " "]), st.booleans())
+
+
+def reassembled(deltas: list[dict]) -> tuple[str | None, list[dict] | None]:
+    """The message a client accumulates from `deltas` (the openai SDK's rule: strings concatenate)."""
+    content, calls = None, {}
+    for delta in deltas:
+        if delta.get("content") is not None:
+            content = (content or "") + delta["content"]
+        for part in delta.get("tool_calls", []):
+            call = calls.setdefault(part["index"], {"function": {"arguments": ""}})
+            call.update({k: part[k] for k in ("id", "type") if k in part})
+            if "name" in part["function"]:
+                call["function"]["name"] = part["function"]["name"]
+            call["function"]["arguments"] += part["function"]["arguments"]
+    return content, [{"id": c["id"], "type": c["type"], "function": {
+        "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls.values()] or None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(CALL_TEXT, CONTENT_TEXT), st.integers(0, 400), st.lists(st.integers(0, 200), max_size=12))
+def test_any_prefix_streams_to_what_the_non_streamed_reader_makes_of_it(text, cut, cuts):
+    prefix = text[: cut % (len(text) + 1)]  # the output cut short (max_tokens) anywhere, or whole
+    reader = ReplyStream("call_1")
+    deltas = [d for piece in pieces(prefix, cuts) for d in reader.feed(piece)] + [reader.close()]
+    deltas = [d for d in deltas if d]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:] if "tool_calls" in d)
+    whole = read_reply(prefix, "call_1")
+    assert reassembled(deltas) == (whole.content, whole.tool_calls)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=20), st.lists(st.integers(0, 200), max_size=12))
 def test_streamed_content_decodes_to_the_whole_reply_wherever_the_tokens_split(value, cuts):
     text = '{"content": ' + json.dumps(value) + "}"  # ASCII escapes, surrogate pairs included
-    assert streamed(text, cuts) == (value or None, "", None)
+    assert streamed(text, cuts) == (value, "", None)
 
 
 # ----- templates ----------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def chat_chunks(chat: ChatRun, index: int, step: StreamStep, readers: list[Reply
     chunks = [bodies.chat_chunk(step.token, None, chat.logprobs, index, delta) for delta in deltas]
     if step.final is not None:
         reason = tool_finish_reason(openai_finish_reason(step.final), read_reply(reader.text, reader.call_id))
-        chunks.append(bodies.chat_chunk(step.token, step.final, False, index, {}, reason))
+        chunks.append(bodies.chat_chunk(step.token, step.final, False, index, reader.close(), reason))
     return chunks
 
 
