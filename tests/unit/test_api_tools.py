@@ -17,6 +17,7 @@ from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.grammar import grammar_fields, response_format_grammar
 from tgi_vlm.api.infer import Generation
 from tgi_vlm.api.reply_stream import ReplyStream
+from tgi_vlm.api.routes.openai import chat_parameters
 from tgi_vlm.api.responses import best_of
 from tgi_vlm.api.schemas import ChatMessage, ChatRequest
 from tgi_vlm.api.tools import CONTENT_SCHEMA, Reply, plan_tools, read_reply
@@ -108,6 +109,17 @@ def test_tool_choice_without_tools_and_duplicate_names_are_refused():
 
 
 # ----- response_format ----------------------------------------------------------------------------
+
+def test_a_text_response_format_goes_with_tools_and_a_json_one_is_tgis_mutual_exclusion_error():
+    request = chat(tools=TOOLS, tool_choice="required", response_format={"type": "text"})
+    plan = plan_tools(request)
+    assert chat_parameters(request, plan).grammar == plan.grammar()
+    request = chat(tools=TOOLS, response_format={"type": "json_object"})
+    with pytest.raises(ApiError) as caught:
+        chat_parameters(request, plan_tools(request))
+    assert (caught.value.status, caught.value.error) == (
+        422, "Tool error: Grammar and tools are mutually exclusive: give `response_format` or `tools`, not both")
+
 
 def test_response_formats_in_openais_and_tgis_shapes_become_json_grammars():
     any_object = grammar_fields(response_format_grammar({"type": "json_object"}))

@@ -43,13 +43,14 @@ def sampling(temperature: float | None) -> dict:
 
 
 def chat_parameters(body: ChatRequest, tools: ToolPlan | None) -> Parameters:
-    if tools is not None and body.response_format is not None:
+    grammar = response_format_grammar(body.response_format)  # None for no format and for {"type": "text"}
+    if tools is not None and grammar is not None:
         raise tool_error("Grammar and tools are mutually exclusive: give `response_format` or `tools`, not both")
     return Parameters(
         repetition_penalty=None if body.presence_penalty is None else body.presence_penalty + 2.0,
         frequency_penalty=body.frequency_penalty, top_p=body.top_p, max_new_tokens=body.max_tokens,
         stop=body.stop or [], details=True, seed=body.seed, top_n_tokens=body.top_logprobs,
-        grammar=tools.grammar() if tools is not None else response_format_grammar(body.response_format),
+        grammar=tools.grammar() if tools is not None else grammar,
         **sampling(body.temperature),
     )
 
