@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,8 +18,8 @@ from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.grammar import grammar_fields, response_format_grammar
 from tgi_vlm.api.infer import Generation
 from tgi_vlm.api.reply_stream import ReplyStream
-from tgi_vlm.api.routes.openai import chat_parameters
 from tgi_vlm.api.responses import best_of
+from tgi_vlm.api.routes.openai import chat_parameters
 from tgi_vlm.api.schemas import ChatMessage, ChatRequest
 from tgi_vlm.api.tools import CONTENT_SCHEMA, Reply, plan_tools, read_reply
 from tgi_vlm.api.tools import finish_reason as tool_finish_reason
@@ -103,8 +104,24 @@ def test_a_keyword_the_engine_cannot_enforce_is_refused_by_name():
     assert status == 422 and "Invalid schema for function 'f': the keyword `uniqueItems` cannot be enforced" in message
 
 
-def test_tool_choice_without_tools_and_duplicate_names_are_refused():
-    assert refusal(tool_choice="required")[0] == 422
+@pytest.mark.parametrize(("name", "ok"), [("get_weather-2", True), ("A" * 64, True), ("A" * 65, False), ("", False),
+                                          ("mod.fn", False), ("a b", False), ("café", False)])
+def test_function_names_follow_openais_rule_exactly(name, ok):
+    tools = [{"type": "function", "function": {"name": name}}]
+    if ok:
+        assert chat(tools=tools).tools[0].function.name == name
+    else:
+        with pytest.raises(pydantic.ValidationError, match="should match pattern"):
+            chat(tools=tools)
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", "noop", {"type": "function", "function": {"name": "fly"}}])
+def test_tool_choice_without_tools_is_ignored_as_tgi_does(choice):
+    assert plan_tools(chat(tool_choice=choice)) is None
+    assert plan_tools(chat(tools=[], tool_choice=choice)) is None
+
+
+def test_duplicate_function_names_are_refused():
     assert refusal(tools=[TOOLS[1], TOOLS[1]])[1] == "Tool error: function name noop is given twice"
 
 
@@ -127,6 +144,22 @@ def test_response_formats_in_openais_and_tgis_shapes_become_json_grammars():
     openai = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}
     tgi = {"type": "json", "value": WEATHER}
     assert grammar_fields(response_format_grammar(openai)) == grammar_fields(response_format_grammar(tgi)) == (
+        json.dumps(WEATHER), 1)
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "free"}},
+    {"type": "json_schema", "json_schema": {"name": "free", "description": "anything", "strict": True}},
+    {"type": "json_schema", "value": {"name": "free"}},
+], ids=["openai", "openai-strict", "tgi-value"])
+def test_a_json_schema_wrapper_without_a_schema_asks_for_any_json_object_not_for_the_wrapper(response_format):
+    assert grammar_fields(response_format_grammar(response_format)) == (json.dumps({"type": "object"}), 1)
+
+
+def test_tgis_json_schema_value_may_still_be_a_bare_schema():
+    assert grammar_fields(response_format_grammar({"type": "json_schema", "value": WEATHER})) == (
+        json.dumps(WEATHER), 1)
+    assert grammar_fields({"type": "json_schema", "value": {"name": "w", "schema": WEATHER}}) == (
         json.dumps(WEATHER), 1)
 
 

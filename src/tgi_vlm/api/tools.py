@@ -56,15 +56,16 @@ class ToolPlan:
 
 
 def plan_tools(body: ChatRequest) -> ToolPlan | None:
-    """None when the reply is free text (no tools, or `tool_choice: "none"`); 422 on bad tools."""
+    """None when the reply is free text (no tools, or `tool_choice: "none"`); 422 on bad tools.
+    Without tools `tool_choice` is ignored, whatever it names (TGI applies it only to tools given)."""
     tools = body.tools or []
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if not tools:
+        return None
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
         choice = NamedToolChoice(function={"name": choice})  # TGI takes a bare function name
     if choice == "none":
         return None
-    if not tools:
-        raise tool_error("`tool_choice` needs `tools`: no functions were given")
     _check_tools(tools)
     if isinstance(choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
