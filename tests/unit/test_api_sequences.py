@@ -93,6 +93,15 @@ def test_n_past_max_client_batch_size_is_refused_before_anything_runs():
         "error_type": "batch size exceeded"}, [])
 
 
+def test_completions_bound_prompts_times_n_by_max_client_batch_size():
+    response, sent = run({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}, "/v1/completions")
+    assert (response.status_code, response.json(), sent) == (422, {
+        "error": "3 prompts × `n` = 2 is 6 sequences, which exceeds the maximum allowed batch size of 4 "
+                 "(--max-client-batch-size)", "error_type": "batch size exceeded"}, [])
+    response, sent = run({"prompt": ["a", "b"], "n": 2, "max_tokens": 1}, "/v1/completions")
+    assert response.status_code == 200 and len(sent) == 4
+
+
 def test_the_params_of_each_sequence_differ_only_in_their_seed():
     _, sent = run({"inputs": PROMPT, "parameters": {"best_of": 2, "top_k": 3, "max_new_tokens": 2}}, "/generate")
     a, b = sent

@@ -140,11 +140,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise ApiError(422, "Suffix is not supported and can be achieved by preprocessing the prompt.",
                        "suffix not supported")
     prompts = body.prompts()
-    if len(prompts) > state.config.max_client_batch_size:
-        raise ApiError(422, "Number of prompts exceeds the maximum allowed batch size of "
-                            f"{state.config.max_client_batch_size}", "batch size exceeded")
-    n = body.n or 1
+    n, limit = body.n or 1, state.config.max_client_batch_size
+    if len(prompts) > limit:
+        raise ApiError(422, f"Number of prompts exceeds the maximum allowed batch size of {limit}",
+                       "batch size exceeded")
     check_n(n, state)
+    if len(prompts) * n > limit:  # every prompt's n sequences run at once
+        raise ApiError(422, f"{len(prompts)} prompts × `n` = {n} is {len(prompts) * n} sequences, which exceeds the "
+                            f"maximum allowed batch size of {limit} (--max-client-batch-size)", "batch size exceeded")
     params, seeds = completion_parameters(body), sequence_seeds(body.seed, n)
     if body.stream:
         return sse.response(completion_events(state.openai_for(body.model), state, prompts, params, seeds))
