@@ -327,23 +327,26 @@ EXTENDED_TEMPLATES = {
 }
 
 
-@pytest.mark.parametrize("fallback", [False, True], ids=["transformers-env", "own-env"])
 @pytest.mark.parametrize("name", sorted(EXTENDED_TEMPLATES))
-def test_templates_with_transformers_extensions_are_seen_to_take_tools(name, fallback, monkeypatch):
-    if fallback:  # transformers' private compile function unusable: the equivalent environment parses the same
-        import transformers.utils.chat_template_utils as utils
-
-        def unusable(template):
-            raise RuntimeError("changed signature")
-        monkeypatch.setattr(utils, "_compile_jinja_template", unusable)
+def test_templates_with_transformers_extensions_are_seen_to_take_tools(name):
     chat_module._variables.cache_clear()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl"))
-    template = ChatTemplate(tokenizer, template=EXTENDED_TEMPLATES[name])
+    template = ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl")), template=EXTENDED_TEMPLATES[name])
     assert template.takes_tools
-    if fallback:
-        return  # rendering is transformers' own (its compile function is what the patch broke)
     rendered = template.apply([ChatMessage.model_validate(USER[0])], plan_tools(chat(tools=TOOLS)))
     assert "Weather in Paris?" in rendered
+
+
+@pytest.mark.parametrize("name", sorted(EXTENDED_TEMPLATES))
+def test_without_transformers_compile_function_an_equivalent_environment_parses_them(name, monkeypatch):
+    import transformers.utils.chat_template_utils as utils
+
+    def unusable(template):
+        raise RuntimeError("changed signature")
+
+    monkeypatch.setattr(utils, "_compile_jinja_template", unusable)
+    chat_module._variables.cache_clear()
+    assert "tools" in chat_module._variables(EXTENDED_TEMPLATES[name])
+    chat_module._variables.cache_clear()
 
 
 def test_a_template_that_does_not_parse_is_said_once_and_taken_as_without_tools(caplog):
