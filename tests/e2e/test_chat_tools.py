@@ -10,9 +10,11 @@ tools reach it as TGI sends them: JSON and an instruction appended to the last m
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
+import llguidance
 import openai
 import pytest
 import text_generation
@@ -23,6 +25,10 @@ from transformers import AutoTokenizer
 
 from tests.conftest import FLOAT32_SHARD_ARGS
 from tests.e2e.launching import Launch
+from tgi_vlm.api.chat import ChatTemplate
+from tgi_vlm.api.schemas import ChatRequest
+from tgi_vlm.api.tools import plan_tools
+from tgi_vlm.generation.grammar_compiler import JSON_WHITESPACE
 from tgi_vlm.testing import tiny_model_path
 
 TIMEOUT = 120
@@ -103,21 +109,73 @@ def test_huggingface_hub_chat_completion_with_tools_parses_the_call(launch):
     assert "".join(p[0].function.arguments for p in pieces) == call.function.arguments
 
 
-def test_auto_answers_with_content_or_a_call_as_the_grammar_lets_the_model_choose(client):
+def test_auto_answers_with_content_or_a_call_as_the_grammar_lets_the_model_choose(launch, client, model):
+    """Both branches: a call that ended as one ("tool_calls", arguments valid), and content that is the decoded
+    JSON string of what the model wrote under the same grammar and seed (/generate gives the raw text). The
+    random model never closes its content string within bounded tokens, so content ends by `max_tokens`."""
     kinds = set()
     for seed in range(16):
         choice = client.chat.completions.create(model="tgi", messages=USER, tools=TOOLS, seed=seed,
                                                 max_tokens=60).choices[0]
         if choice.message.tool_calls:
-            check_call(choice.message.tool_calls[0])  # complete arguments; the object's last `}` may be cut
             assert choice.message.content is None and choice.finish_reason in ("tool_calls", "length")
-            kinds.add("call")
-        else:
-            assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+            if choice.finish_reason == "tool_calls":
+                check_call(choice.message.tool_calls[0])
+                kinds.add("call")
+        elif "content" not in kinds:
+            raw = raw_auto_reply(launch, model, seed, 60)
+            assert CONTENT_OPENING.match(raw), raw  # the content branch, not a call nor raw JSON passed through
+            assert choice.message.content == decoded_prefix(raw[CONTENT_OPENING.match(raw).end():])
+            assert choice.finish_reason == ("stop" if raw.rstrip().endswith("}") else "length")
             kinds.add("content")
         if kinds == {"call", "content"}:
             break
     assert kinds == {"call", "content"}
+
+
+CONTENT_OPENING = re.compile(r' ?\{ ?"content" ?: ?"')
+
+
+def raw_auto_reply(launch: Launch, model: str, seed: int, max_tokens: int) -> str:
+    """The text the model writes for USER under `auto`'s grammar, from /generate (same prompt, seed, sampling)."""
+    request = ChatRequest.model_validate({"messages": USER, "tools": TOOLS})
+    plan = plan_tools(request)
+    prompt = ChatTemplate(AutoTokenizer.from_pretrained(model)).apply(request.messages, plan)
+    out = httpx.post(f"{launch.url}/generate", timeout=TIMEOUT, json={"inputs": prompt, "parameters": {
+        "seed": seed, "do_sample": True, "max_new_tokens": max_tokens, "grammar": plan.grammar()}})
+    assert out.status_code == 200, out.text
+    return out.json()["generated_text"]
+
+
+def decoded_prefix(body: str) -> str:
+    """The longest start of a JSON string body that decodes on its own (up to its closing quote)."""
+    for end in range(len(body), -1, -1):
+        try:
+            return json.loads(f'"{body[:end]}"')
+        except json.JSONDecodeError:
+            continue
+    raise AssertionError(body)
+
+
+def test_a_reply_cut_short_reads_the_same_streamed_and_not(client):
+    """Cut inside the call's arguments: a call with partial arguments both ways; cut before the name: neither a
+    call nor content both ways; finish_reason "length" in both, the role always streamed."""
+    args = dict(model="tgi", messages=USER, tools=TOOLS, tool_choice="required", seed=5)
+    full = client.chat.completions.create(**args, max_tokens=100)
+    full_arguments = full.choices[0].message.tool_calls[0].function.arguments
+    for max_tokens, named in ((full.usage.completion_tokens - 6, True), (3, False)):
+        whole = client.chat.completions.create(**args, max_tokens=max_tokens).choices[0]
+        chunks = [c for c in client.chat.completions.create(**args, max_tokens=max_tokens, stream=True) if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+        streamed = (calls[0].function.name, "".join(c.function.arguments for c in calls)) if calls else None
+        expected = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        assert (deltas[0].role, [streamed] if calls else [], whole.finish_reason) == ("assistant", expected, "length")
+        assert chunks[-1].choices[0].finish_reason == "length" and bool(expected) == named
+        assert whole.message.content is None and not any(d.content for d in deltas)
+        if named:  # the cut fell inside the arguments: a strict start of the whole call's
+            partial = expected[0][1]
+            assert full_arguments.startswith(partial) and len(partial) < len(full_arguments), (partial, full_arguments)
 
 
 def test_a_two_turn_tool_conversation_feeds_the_call_and_its_result_to_the_template(launch, client, model):
@@ -152,10 +210,21 @@ def test_json_schema_output_validates_for_16_seeds_and_json_object_gives_an_obje
             jsonschema.validate(json.loads(choice.message.content), WEATHER)
     anything = client.chat.completions.create(model="tgi", messages=USER, response_format={"type": "json_object"},
                                               seed=1, max_tokens=60).choices[0]
-    assert anything.finish_reason == "length" or isinstance(json.loads(anything.message.content), dict)
+    if anything.finish_reason == "length":  # cut short: still a prefix the any-object grammar allows
+        assert anything.message.content.lstrip().startswith("{") and grammar_allows_prefix(anything.message.content)
+    else:
+        assert isinstance(json.loads(anything.message.content), dict)
     tgi = httpx.post(f"{client.base_url}chat/completions", timeout=TIMEOUT, json={
         "messages": USER, "response_format": {"type": "json", "value": ADD}, "seed": 2, "max_tokens": 60}).json()
     jsonschema.validate(json.loads(tgi["choices"][0]["message"]["content"]), ADD)
+
+
+def grammar_allows_prefix(text: str) -> bool:
+    """Whether the shard's engine takes `text` as the start of a JSON object (bytes; same options)."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                            overrides={"whitespace_pattern": JSON_WHITESPACE})
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar)
+    return matcher.consume_tokens(list(text.encode()))
 
 
 # ----- n and best_of ----------------------------------------------------------------------------------
@@ -187,6 +256,24 @@ def test_best_of_3_answers_tgis_details_with_the_best_sequence_by_mean_logprob(l
         return sum(t.logprob for t in tokens) / len(tokens)
 
     assert all(mean(out.details.tokens) >= mean(s.tokens) for s in others)
+
+
+def test_best_of_without_details_answers_the_text_alone_and_counts_one_request(launch):
+    before = launch.metrics()
+    out = httpx.post(f"{launch.url}/generate", timeout=TIMEOUT, json={
+        "inputs": "Hello there", "parameters": {"best_of": 3, "do_sample": True, "max_new_tokens": 3}})
+    after = launch.metrics()
+    assert out.status_code == 200 and list(out.json()) == ["generated_text"]
+    assert after["tgi_request_count"] - before["tgi_request_count"] == 1
+    assert after["tgi_vlm_prefix_cache_requests"] - before["tgi_vlm_prefix_cache_requests"] == 3  # three sequences
+
+
+def test_best_of_streamed_is_tgis_validation_error(launch):
+    response = httpx.post(f"{launch.url}/generate_stream", timeout=TIMEOUT, json={
+        "inputs": "Hello there", "parameters": {"best_of": 2, "do_sample": True, "max_new_tokens": 3}})
+    events = [json.loads(line[5:]) for line in response.text.splitlines() if line.startswith("data:")]
+    assert events == [{"error": "Input validation error: `best_of` != 1 is not supported when streaming tokens",
+                       "error_type": "validation"}]
 
 
 # ----- bad input ----------------------------------------------------------------------------------

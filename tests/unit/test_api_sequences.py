@@ -7,19 +7,28 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from tests.unit.test_api_validation_limits import serving
+from tgi_vlm.router.router import Router
 
 BLOCK = 16  # the stub shard's block size
 PROMPT = "The quick brown fox jumps over the lazy dog " * 3
 
 
-def run(body: dict, path: str, *, prefix_caching: bool = True, arch: str = "llama"):
+def run(body: dict, path: str, *, prefix_caching: bool = True, arch: str = "llama", shard_view=None):
     async def scenario():
         async with serving(prefix_caching, max_input=200, max_total=256, arch=arch) as (client, shard):
             response = await client.post(path, json=body)
-            return response, shard.requests
+            return response, shard.requests if shard_view is None else shard_view(shard)
 
     return asyncio.run(scenario())
+
+
+def metric(text: str, name: str) -> float:
+    """A counter's value in /metrics' text (0 when absent)."""
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return values[0] if values else 0.0
 
 
 def cached_prefix(prompt_len: int) -> int:
@@ -84,6 +93,15 @@ def test_n_past_max_client_batch_size_is_refused_before_anything_runs():
         "error_type": "batch size exceeded"}, [])
 
 
+def test_completions_bound_prompts_times_n_by_max_client_batch_size():
+    response, sent = run({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}, "/v1/completions")
+    assert (response.status_code, response.json(), sent) == (422, {
+        "error": "3 prompts × `n` = 2 is 6 sequences, which exceeds the maximum allowed batch size of 4 "
+                 "(--max-client-batch-size)", "error_type": "batch size exceeded"}, [])
+    response, sent = run({"prompt": ["a", "b"], "n": 2, "max_tokens": 1}, "/v1/completions")
+    assert response.status_code == 200 and len(sent) == 4
+
+
 def test_the_params_of_each_sequence_differ_only_in_their_seed():
     _, sent = run({"inputs": PROMPT, "parameters": {"best_of": 2, "top_k": 3, "max_new_tokens": 2}}, "/generate")
     a, b = sent
@@ -92,3 +110,45 @@ def test_the_params_of_each_sequence_differ_only_in_their_seed():
     a.id = b.id = 0
     del a.blocks[:], b.blocks[:], a.slots[:], b.slots[:]
     assert a == b
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True, "max_new_tokens": 2}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 2}),
+], ids=["best_of", "chat-n"])
+def test_a_request_with_several_sequences_is_counted_once_as_tgi_counts_an_http_request(path, body):
+    async def scenario():
+        async with serving(True, max_input=200, max_total=256, arch="qwen2_vl") as (client, shard):
+            response = await client.post(path, json=body)
+            return response, shard.requests, (await client.get("/metrics")).text
+
+    response, sent, metrics = asyncio.run(scenario())
+    assert response.status_code == 200, response.text
+    assert len(sent) == 2
+    assert (metric(metrics, "tgi_request_count"), metric(metrics, "tgi_request_success")) == (1, 1)
+    assert metric(metrics, "tgi_request_generated_tokens_count") == 1  # one observation, for the request
+
+
+def test_an_unexpected_failure_of_one_sequence_propagates_instead_of_an_incomplete_generation(monkeypatch):
+    submit, calls = Router.submit, []
+
+    async def failing_second(self, params, **kwargs):
+        calls.append(params.seed)
+        if len(calls) == 2:
+            raise RuntimeError("router broke")
+        return await submit(self, params, **kwargs)
+
+    monkeypatch.setattr(Router, "submit", failing_second)
+    with pytest.raises(RuntimeError, match="router broke"):
+        run({"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True, "max_new_tokens": 2}}, "/generate")
+
+
+def test_with_decoder_input_details_the_sequences_do_not_wait_for_a_prefix_cache_they_cannot_use():
+    body = {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True, "max_new_tokens": 2,
+                                             "decoder_input_details": True, "details": True}}
+    response, prefills = run(body, "/generate", shard_view=lambda shard: shard.prefills)
+    assert response.status_code == 200, response.text
+    assert len(prefills) == 1 and len(prefills[0]) == 2  # queued together: one prefill for both
+    _, cached_prefills = run({**body, "parameters": {**body["parameters"], "decoder_input_details": False}},
+                             "/generate", shard_view=lambda shard: shard.prefills)
+    assert [len(p) for p in cached_prefills] == [1, 1]  # the cache serves the follower: it waits for the first

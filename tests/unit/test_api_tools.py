@@ -6,19 +6,23 @@ from __future__ import annotations
 import json
 
 import llguidance
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from tgi_vlm.api import chat as chat_module
 from tgi_vlm.api.chat import ChatTemplate
 from tgi_vlm.api.errors import ApiError
 from tgi_vlm.api.grammar import grammar_fields, response_format_grammar
 from tgi_vlm.api.infer import Generation
 from tgi_vlm.api.reply_stream import ReplyStream
 from tgi_vlm.api.responses import best_of
+from tgi_vlm.api.routes.openai import chat_parameters
 from tgi_vlm.api.schemas import ChatMessage, ChatRequest
-from tgi_vlm.api.tools import CONTENT_SCHEMA, plan_tools, read_reply
+from tgi_vlm.api.tools import CONTENT_SCHEMA, Reply, plan_tools, read_reply
+from tgi_vlm.api.tools import finish_reason as tool_finish_reason
 from tgi_vlm.generation.grammar_compiler import JSON_WHITESPACE
 from tgi_vlm.router.requests import FinalEvent, TokenEvent
 from tgi_vlm.testing import tiny_model_path
@@ -100,12 +104,39 @@ def test_a_keyword_the_engine_cannot_enforce_is_refused_by_name():
     assert status == 422 and "Invalid schema for function 'f': the keyword `uniqueItems` cannot be enforced" in message
 
 
-def test_tool_choice_without_tools_and_duplicate_names_are_refused():
-    assert refusal(tool_choice="required")[0] == 422
+@pytest.mark.parametrize(("name", "ok"), [("get_weather-2", True), ("A" * 64, True), ("A" * 65, False), ("", False),
+                                          ("mod.fn", False), ("a b", False), ("café", False)])
+def test_function_names_follow_openais_rule_exactly(name, ok):
+    tools = [{"type": "function", "function": {"name": name}}]
+    if ok:
+        assert chat(tools=tools).tools[0].function.name == name
+    else:
+        with pytest.raises(pydantic.ValidationError, match="should match pattern"):
+            chat(tools=tools)
+
+
+@pytest.mark.parametrize("choice", ["required", "auto", "noop", {"type": "function", "function": {"name": "fly"}}])
+def test_tool_choice_without_tools_is_ignored_as_tgi_does(choice):
+    assert plan_tools(chat(tool_choice=choice)) is None
+    assert plan_tools(chat(tools=[], tool_choice=choice)) is None
+
+
+def test_duplicate_function_names_are_refused():
     assert refusal(tools=[TOOLS[1], TOOLS[1]])[1] == "Tool error: function name noop is given twice"
 
 
 # ----- response_format ----------------------------------------------------------------------------
+
+def test_a_text_response_format_goes_with_tools_and_a_json_one_is_tgis_mutual_exclusion_error():
+    request = chat(tools=TOOLS, tool_choice="required", response_format={"type": "text"})
+    plan = plan_tools(request)
+    assert chat_parameters(request, plan).grammar == plan.grammar()
+    request = chat(tools=TOOLS, response_format={"type": "json_object"})
+    with pytest.raises(ApiError) as caught:
+        chat_parameters(request, plan_tools(request))
+    assert (caught.value.status, caught.value.error) == (
+        422, "Tool error: Grammar and tools are mutually exclusive: give `response_format` or `tools`, not both")
+
 
 def test_response_formats_in_openais_and_tgis_shapes_become_json_grammars():
     any_object = grammar_fields(response_format_grammar({"type": "json_object"}))
@@ -113,6 +144,22 @@ def test_response_formats_in_openais_and_tgis_shapes_become_json_grammars():
     openai = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}
     tgi = {"type": "json", "value": WEATHER}
     assert grammar_fields(response_format_grammar(openai)) == grammar_fields(response_format_grammar(tgi)) == (
+        json.dumps(WEATHER), 1)
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_schema", "json_schema": {"name": "free"}},
+    {"type": "json_schema", "json_schema": {"name": "free", "description": "anything", "strict": True}},
+    {"type": "json_schema", "value": {"name": "free"}},
+], ids=["openai", "openai-strict", "tgi-value"])
+def test_a_json_schema_wrapper_without_a_schema_asks_for_any_json_object_not_for_the_wrapper(response_format):
+    assert grammar_fields(response_format_grammar(response_format)) == (json.dumps({"type": "object"}), 1)
+
+
+def test_tgis_json_schema_value_may_still_be_a_bare_schema():
+    assert grammar_fields(response_format_grammar({"type": "json_schema", "value": WEATHER})) == (
+        json.dumps(WEATHER), 1)
+    assert grammar_fields({"type": "json_schema", "value": {"name": "w", "schema": WEATHER}}) == (
         json.dumps(WEATHER), 1)
 
 
@@ -142,7 +189,19 @@ def test_a_call_keeps_its_arguments_as_the_json_text_generated():
 def test_content_is_decoded_whole_or_cut_short_and_other_text_is_returned_as_is():
     assert read_reply('{"content": "caf\\u00e9 \\"ok\\""}', "c") .content == 'café "ok"'
     assert read_reply('{"content": "half \\u00', "c").content == "half "
-    assert read_reply("plain", "c").content == "plain"
+
+
+
+def test_a_reply_cut_short_is_a_partial_call_or_partial_content_or_nothing_yet():
+    cut_call = read_reply('{"name": "get_weather", "arguments": {"city": "Pa', "call_1")
+    assert (cut_call.content, cut_call.complete) == (None, False)
+    assert cut_call.tool_calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert [tool_finish_reason(r, cut_call) for r in ("length", "stop")] == ["length", "stop"]
+    whole_call = read_reply('{"name": "noop", "arguments": {}', "call_1")  # arguments whole, `}` cut
+    assert whole_call.complete and tool_finish_reason("eos_token", whole_call) == "tool_calls"
+    assert read_reply('{"content": ""}', "c") == Reply("", None)
+    for undecided in ("", " ", '{"na', '{"name": "get_wea', '{"content":'):
+        assert read_reply(undecided, "c") == Reply(None, None)
 
 
 CALL_TEXT = st.builds(
@@ -175,11 +234,43 @@ def test_streamed_call_fragments_concatenate_to_the_whole_reply_wherever_the_tok
     assert streamed(text, cuts) == (None, whole["arguments"], whole["name"])
 
 
+CONTENT_TEXT = st.builds(lambda value, space, ascii_only: '{"content":' + space + json.dumps(value, ensure_ascii=ascii_only)
+                         + "}", st.text(max_size=12), st.sampled_from(["", " "]), st.booleans())
+
+
+def reassembled(deltas: list[dict]) -> tuple[str | None, list[dict] | None]:
+    """The message a client accumulates from `deltas` (the openai SDK's rule: strings concatenate)."""
+    content, calls = None, {}
+    for delta in deltas:
+        if delta.get("content") is not None:
+            content = (content or "") + delta["content"]
+        for part in delta.get("tool_calls", []):
+            call = calls.setdefault(part["index"], {"function": {"arguments": ""}})
+            call.update({k: part[k] for k in ("id", "type") if k in part})
+            if "name" in part["function"]:
+                call["function"]["name"] = part["function"]["name"]
+            call["function"]["arguments"] += part["function"]["arguments"]
+    return content, [{"id": c["id"], "type": c["type"], "function": {
+        "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls.values()] or None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(CALL_TEXT, CONTENT_TEXT), st.integers(0, 400), st.lists(st.integers(0, 200), max_size=12))
+def test_any_prefix_streams_to_what_the_non_streamed_reader_makes_of_it(text, cut, cuts):
+    prefix = text[: cut % (len(text) + 1)]  # the output cut short (max_tokens) anywhere, or whole
+    reader = ReplyStream("call_1")
+    deltas = [d for piece in pieces(prefix, cuts) for d in reader.feed(piece)] + [reader.close()]
+    deltas = [d for d in deltas if d]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:] if "tool_calls" in d)
+    whole = read_reply(prefix, "call_1")
+    assert reassembled(deltas) == (whole.content, whole.tool_calls)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=20), st.lists(st.integers(0, 200), max_size=12))
 def test_streamed_content_decodes_to_the_whole_reply_wherever_the_tokens_split(value, cuts):
     text = '{"content": ' + json.dumps(value) + "}"  # ASCII escapes, surrogate pairs included
-    assert streamed(text, cuts) == (value or None, "", None)
+    assert streamed(text, cuts) == (value, "", None)
 
 
 # ----- templates ----------------------------------------------------------------------------------
@@ -223,3 +314,50 @@ def generation(logprobs: list[float]) -> Generation:
 def test_best_of_picks_the_highest_mean_token_logprob_and_the_first_on_ties():
     assert best_of([generation([-1.0, -3.0]), generation([-1.5]), generation([-0.5, -4.0])]) == 1
     assert best_of([generation([-1.0]), generation([-2.0, 0.0]), generation([-1.0])]) == 0
+
+
+# Templates as transformers compiles them: loop controls and `{% generation %}` parse, and `tools` is seen.
+EXTENDED_TEMPLATES = {
+    "break": "{% for m in messages %}{% if loop.index > 9 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+             "{% if tools %}{{ tools | length }}{% endif %}",
+    "continue": "{% for m in messages %}{% if m.role == 'x' %}{% continue %}{% endif %}{{ m.content }}{% endfor %}"
+                "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}",
+    "generation": "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}{{ tools | tojson }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXTENDED_TEMPLATES))
+def test_templates_with_transformers_extensions_are_seen_to_take_tools(name):
+    chat_module._variables.cache_clear()
+    template = ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl")), template=EXTENDED_TEMPLATES[name])
+    assert template.takes_tools
+    rendered = template.apply([ChatMessage.model_validate(USER[0])], plan_tools(chat(tools=TOOLS)))
+    assert "Weather in Paris?" in rendered
+
+
+@pytest.mark.parametrize("name", sorted(EXTENDED_TEMPLATES))
+def test_without_transformers_compile_function_an_equivalent_environment_parses_them(name, monkeypatch):
+    import transformers.utils.chat_template_utils as utils
+
+    def unusable(template):
+        raise RuntimeError("changed signature")
+
+    monkeypatch.setattr(utils, "_compile_jinja_template", unusable)
+    chat_module._variables.cache_clear()
+    assert "tools" in chat_module._variables(EXTENDED_TEMPLATES[name])
+    chat_module._variables.cache_clear()
+
+
+def test_a_template_that_does_not_parse_is_said_once_and_taken_as_without_tools(caplog):
+    chat_module._variables.cache_clear()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path("qwen2_vl"))
+    broken = "{% for m in messages %}{{ m.content }}{% if tools %}"
+    with caplog.at_level("WARNING", logger="tgi_vlm.api.chat"):
+        first, second = ChatTemplate(tokenizer, template=broken), ChatTemplate(tokenizer, template=broken)
+    assert not first.takes_tools and not second.takes_tools
+    warnings = [r for r in caplog.records if r.name == "tgi_vlm.api.chat"]
+    assert len(warnings) == 1 and "does not parse" in warnings[0].getMessage()
+    with pytest.raises(ApiError) as caught:
+        first.apply([ChatMessage.model_validate(USER[0])])
+    assert caught.value.status == 422

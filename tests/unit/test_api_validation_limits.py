@@ -63,6 +63,7 @@ class StubShard:
     max_input_tokens: int
     max_total_tokens: int
     requests: list[pb.Request] = field(default_factory=list)
+    prefills: list[list[int]] = field(default_factory=list)  # the request ids of each Prefill, in order
 
     async def clear_cache(self, _batch_id):
         return None
@@ -79,6 +80,7 @@ class StubShard:
 
     async def prefill(self, batch, _cached=None):
         self.requests.extend(batch.requests)
+        self.prefills.append([r.id for r in batch.requests])
         return pb.PrefillResponse(generations=[
             pb.Generation(request_id=r.id, tokens=pb.Tokens(ids=[7], logprobs=[-0.5], texts=["x"], is_special=[False]),
                           generated_text=pb.GeneratedText(text="x", generated_tokens=1,

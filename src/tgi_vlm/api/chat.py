@@ -8,20 +8,28 @@ input. When the last message is the assistant's, the prompt stops at the end of 
 
 Tools, as TGI: a template that reads a `tools` variable gets them (OpenAI's shape) and the last
 message gets `\\n---\\n` and the tool prompt appended; a template that does not gets the tools' JSON
-and the prompt appended to the last message instead.
+and the prompt appended to the last message instead. Whether a template reads `tools` is found by
+parsing it in transformers' own environment (loop controls, `{% generation %}`); a template that
+does not parse is logged once and treated as taking none.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tgi_vlm.api.errors import template_error
 from tgi_vlm.api.schemas import ChatMessage
 from tgi_vlm.api.tools import ToolPlan, message_for_template, template_tools
+
+log = logging.getLogger(__name__)
 
 
 class ChatTemplate:
@@ -57,8 +65,43 @@ class ChatTemplate:
         return rendered
 
 
-def _variables(template: str) -> set[str]:
+@functools.lru_cache(maxsize=8)
+def _variables(template: str) -> frozenset[str]:
+    """The variables `template` reads, parsed as transformers compiles it (its environment: loop
+    controls, `{% generation %}`); one the parser still refuses reads none, said once per template
+    (applying it then fails with jinja's message)."""
     try:
-        return meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        return frozenset(meta.find_undeclared_variables(_environment(template).parse(template)))
+    except jinja2.TemplateError as exc:
+        log.warning("the chat template does not parse (%s: %s): it is treated as taking no `tools`",
+                    type(exc).__name__, exc)
+        return frozenset()
+
+
+def _environment(template: str) -> jinja2.Environment:
+    """transformers' own environment for `template` when its compile function is importable (it
+    caches the compiled template, which apply_chat_template then reuses), else an equivalent one."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(template).environment
+    except ImportError:
+        pass
     except jinja2.TemplateError:
-        return set()  # a broken template fails when applied, with jinja's message
+        raise
+    except Exception:  # noqa: BLE001 - a private function whose signature may change: fall back
+        log.debug("transformers' chat template compiler is unusable here; parsing with an equivalent environment")
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens), for
+    parsing only: the block's body is rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)

@@ -25,6 +25,7 @@ from tgi_vlm.api.errors import validation_error
 GRAMMAR_TYPE_NONE, GRAMMAR_TYPE_JSON, GRAMMAR_TYPE_REGEX = 0, 1, 2
 ANY_JSON_OBJECT = {"type": "object"}
 JSON_WHITESPACE = r"[ ]?"  # the shard's (generation/grammar_compiler.py): the same check, the same grammar
+_WRAPPER_KEYS = {"name", "description", "strict"}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 
 
@@ -39,13 +40,20 @@ def grammar_fields(grammar: dict[str, Any] | None) -> tuple[str, int]:
         _check(_llguidance().LLMatcher.grammar_from_regex(value), "regex")
         return value, GRAMMAR_TYPE_REGEX
     strict = False
-    if kind == "json_schema" and isinstance(value, dict) and "schema" in value:
-        value, strict = value["schema"], bool(value.get("strict"))
+    if kind == "json_schema" and is_schema_wrapper(value):
+        value, strict = value.get("schema", ANY_JSON_OBJECT), "schema" in value and bool(value.get("strict"))
     if kind in ("json", "json_object", "json_schema"):
         schema = _json_value(kind, value)
         check_schema(schema, "schema", strict=strict)
         return json.dumps(schema), GRAMMAR_TYPE_JSON
     raise validation_error(f"unknown grammar type {kind!r}: use `json`, `json_schema` or `regex`")
+
+
+def is_schema_wrapper(value: Any) -> bool:
+    """`{"name", "description"?, "schema"?, "strict"?}` (OpenAI's `json_schema`, TGI's `json_schema` value),
+    as opposed to a bare JSON Schema (TGI's value, leniently). A wrapper without `schema` asks for
+    any JSON object, as OpenAI's `json_schema` without one constrains nothing more than JSON."""
+    return isinstance(value, dict) and ("schema" in value or set(value) <= _WRAPPER_KEYS)
 
 
 def _json_value(kind: str, value: Any) -> dict:
@@ -129,7 +137,7 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> dict[str,
         spec = response_format.get("value") or response_format.get("json_schema") or {}
         if not isinstance(spec, dict):
             raise validation_error("`response_format.json_schema` must be an object with a `schema`")
-        if "schema" not in spec:
-            return {"type": "json", "value": spec}  # TGI's {"type": "json_schema", "value": SCHEMA}
-        return {"type": "json_schema", "value": spec}
+        if "json_schema" in response_format and "schema" not in spec:  # OpenAI's wrapper, no schema
+            return {"type": "json", "value": ANY_JSON_OBJECT}
+        return {"type": "json_schema", "value": spec}  # grammar_fields tells a wrapper from a bare schema
     return dict(response_format)  # TGI's own shapes ("json", "regex") pass through to grammar_fields

@@ -23,7 +23,8 @@ from tgi_vlm.api.metrics import Metrics
 from tgi_vlm.api.schemas import Parameters
 from tgi_vlm.api.validation import Validator, ValidRequest
 from tgi_vlm.router.requests import FinalEvent, TokenEvent
-from tgi_vlm.router.router import Router, Stream
+from tgi_vlm.router.router import Router, Stream, cacheable_prompt
+from tgi_vlm.router.tokens import PromptTokens
 
 
 @dataclass
@@ -73,10 +74,10 @@ class Infer:
                 valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
                                                       stream=stream)
                 queued = time.perf_counter()
-                routed = await self.router.submit(valid.params, input_len=valid.prompt if valid.prompt is not None else valid.input_length)
+                routed = await self.router.submit(valid.params, input_len=_prompt_of(valid))
                 async for index, token, final in _paired(routed, self.router, self.metrics, self.health):
                     if final is not None:
-                        self._done(final, valid, start, queued)
+                        self._done(final.generated_tokens, valid, start, queued)
                     yield StreamStep(index, token, final, valid)
         except ApiError as error:
             self.metrics.counters.inc("tgi_request_failure", err=error.error_type)
@@ -100,13 +101,15 @@ class Infer:
                           add_special_tokens: bool = True, stream: bool = False) -> AsyncIterator[tuple[int, StreamStep]]:
         """(sequence index, step) for several sequences of one prompt, interleaved as they come.
 
-        The prompt is validated and counted once. With the router's prefix cache on, the first
-        sequence is queued alone and the others once its first token is back (its prompt blocks are
-        cached then), so they reuse its KV blocks instead of computing the prompt again. A seed per
-        sequence: `seeds[i]`, or a random one where None (the first keeps the validated request's)."""
+        The prompt is validated once, and the request counted once (`tgi_request_count`, and
+        `tgi_request_success` with its histograms when the last sequence ends: TGI's one HTTP request).
+        When the prefix cache serves this request (on, the prompt keyed and not asking prefill logprobs,
+        at least one whole block), the first sequence is queued alone and the others once its first
+        token is back (its prompt blocks are cached then), so they reuse its KV blocks instead of
+        computing the prompt again. A seed per sequence: `seeds[i]`, or a random one where None (the
+        first keeps the validated request's). Any failure of a sequence ends the whole request with it."""
         start = time.perf_counter()
-        for _ in seeds:
-            self.metrics.counters.inc("tgi_request_count")
+        self.metrics.counters.inc("tgi_request_count")  # one request, as TGI counts an HTTP request
         try:
             with self._permit(len(seeds)):
                 valid = await self.validator.validate(inputs, params, add_special_tokens=add_special_tokens,
@@ -121,24 +124,24 @@ class Infer:
 
     async def _fan_out(self, copies: list[ValidRequest], start: float,
                        queued: float) -> AsyncIterator[tuple[int, StreamStep]]:
-        items: asyncio.Queue[tuple[int, StreamStep] | ApiError | None] = asyncio.Queue()
+        items: asyncio.Queue[tuple[int, StreamStep] | Exception | None] = asyncio.Queue()
         prefilled = asyncio.Event()
-        # Waiting for the first sequence pays off only when its prompt fills at least one whole block.
-        share = (self.router.config.prefix_caching and len(copies) > 1
-                 and copies[0].input_length >= self.router.allocator.block_size)
+        share = len(copies) > 1 and self._shares_prompt(copies[0])
+        finals: list[FinalEvent] = []
 
         async def run(i: int, valid: ValidRequest) -> None:
             try:
                 if i > 0 and share:
                     await prefilled.wait()
-                routed = await self.router.submit(valid.params, input_len=valid.prompt if valid.prompt is not None
-                                                  else valid.input_length)
+                routed = await self.router.submit(valid.params, input_len=_prompt_of(valid))
                 async for index, token, final in _paired(routed, self.router, self.metrics, self.health):
                     prefilled.set()
                     if final is not None:
-                        self._done(final, valid, start, queued)
+                        finals.append(final)
+                        if len(finals) == len(copies):
+                            self._done(sum(f.generated_tokens for f in finals), valid, start, queued)
                     await items.put((i, StreamStep(index, token, final, valid)))
-            except ApiError as error:
+            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it (not swallowed)
                 await items.put(error)
             finally:
                 prefilled.set()
@@ -151,14 +154,21 @@ class Infer:
                 item = await items.get()
                 if item is None:
                     running -= 1
-                elif isinstance(item, ApiError):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield item
         finally:
             for task in tasks:
                 task.cancel()  # closing a task's stream cancels its request in the router
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)  # their own errors were handed over above
+
+    def _shares_prompt(self, valid: ValidRequest) -> bool:
+        """Whether the followers should wait for the first sequence's prefill: only when the prefix cache
+        will serve them its blocks (on, the prompt keyed, no prefill logprobs, one whole block at least)."""
+        block_size = self.router.allocator.block_size
+        return (self.router.config.prefix_caching and valid.input_length >= block_size
+                and cacheable_prompt(_prompt_of(valid), valid.params, block_size) is not None)
 
     @contextmanager
     def _permit(self, n: int = 1) -> Iterator[None]:
@@ -170,11 +180,17 @@ class Infer:
         finally:
             self.in_flight -= n
 
-    def _done(self, final: FinalEvent, valid: ValidRequest, start: float, queued: float) -> None:
+    def _done(self, generated_tokens: int, valid: ValidRequest, start: float, queued: float) -> None:
+        """One request's success (with several sequences, once: their tokens together)."""
         now = time.perf_counter()
         self.metrics.request_done(total_s=now - start, validation_s=queued - start, inference_s=now - queued,
-                                  generated_tokens=final.generated_tokens, input_length=valid.input_length,
+                                  generated_tokens=generated_tokens, input_length=valid.input_length,
                                   max_new_tokens=valid.params.max_new_tokens)
+
+
+def _prompt_of(valid: ValidRequest) -> PromptTokens | int:
+    """What the router keys the prefix cache on: the prompt's tokens, else its bare length."""
+    return valid.prompt if valid.prompt is not None else valid.input_length
 
 
 def _seeded(valid: ValidRequest, seed: int | None, *, first: bool) -> ValidRequest:

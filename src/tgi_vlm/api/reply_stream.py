@@ -2,9 +2,12 @@
 
 The grammar (api/tools.py) makes the text either `{"name": N, "arguments": ARGS}` or, under `auto`,
 `{"content": TEXT}`. Nothing is sent until the text shows which (the first key). A call then sends
-one delta with its id, type and name (`arguments: ""`) and, as ARGS grows, `arguments` fragments:
-the generated JSON text itself, so the fragments concatenate to the non-streamed `arguments`.
-Content sends TEXT's characters once they are decodable (a JSON escape is held until complete).
+one delta with its role, id, type and name (`arguments: ""`) and, as ARGS grows, `arguments`
+fragments: the generated JSON text itself, so the fragments concatenate to the non-streamed
+`arguments`. Content sends its role with `content: ""` at once, then TEXT's characters once they
+are decodable (a JSON escape is held until complete). A stream that ends before either sends its
+role with `content: null` in the last chunk (`close`). So the deltas of any prefix of the text
+reassemble to what `read_reply` makes of that prefix.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class ReplyStream:
         self.start = 0  # where ARGS or TEXT begins in `text`
         self.sent = 0  # characters of ARGS (call) or of raw TEXT (content) already sent
         self.called = False
+        self.opened = False  # content's first delta (its role) sent
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas `piece` makes sendable (often none)."""
@@ -39,6 +43,11 @@ class ReplyStream:
         if content:
             self.mode, self.start = "content", content.end()
         return content is not None
+
+    def close(self) -> dict:
+        """The last chunk's delta: the role, when nothing has carried it yet (the text showed neither
+        a call nor content), else nothing."""
+        return {"role": "assistant", "content": None} if self.mode is None else {}
 
     def _call_deltas(self) -> list[dict]:
         deltas = []
@@ -58,8 +67,8 @@ class ReplyStream:
 
     def _content_deltas(self) -> list[dict]:
         ready = decodable(self.text[self.start:])
-        if ready <= self.sent:
+        piece = json.loads(f'"{self.text[self.start + self.sent: self.start + ready]}"') if ready > self.sent else ""
+        if self.opened and not piece:
             return []
-        piece = json.loads(f'"{self.text[self.start + self.sent: self.start + ready]}"')
-        self.sent = ready
-        return [{"role": "assistant", "content": piece}]
+        self.opened, self.sent = True, max(ready, self.sent)
+        return [{"role": "assistant", "content": piece}]  # the first one even when empty: it carries the role

@@ -122,7 +122,8 @@ def _part_text(part: TextPart | ImagePart | VideoPart) -> str:
 
 
 class FunctionDefinition(_Body):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule
+    # OpenAI's documented rule (a-z, A-Z, 0-9, `_`, `-`; at most 64), which its API enforces; TGI takes any name
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     # OpenAI's `parameters`; TGI's own clients send `arguments`
     parameters: dict[str, Any] | None = Field(None, validation_alias=AliasChoices("parameters", "arguments"))

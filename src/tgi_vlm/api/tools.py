@@ -12,7 +12,8 @@ be read back is impossible, and the content branch is returned as ordinary `mess
 
 `arguments` is returned as the JSON text the model generated (a string, as OpenAI's SDK expects),
 cut from the output, so a streamed call's `arguments` fragments concatenate to exactly the
-non-streamed string.
+non-streamed string. A reply cut short is read by the same rule streamed or not (`read_reply`): a
+started call is reported with its partial `arguments` and the generation's finish_reason.
 """
 
 from __future__ import annotations
@@ -55,15 +56,16 @@ class ToolPlan:
 
 
 def plan_tools(body: ChatRequest) -> ToolPlan | None:
-    """None when the reply is free text (no tools, or `tool_choice: "none"`); 422 on bad tools."""
+    """None when the reply is free text (no tools, or `tool_choice: "none"`); 422 on bad tools.
+    Without tools `tool_choice` is ignored, whatever it names (TGI applies it only to tools given)."""
     tools = body.tools or []
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if not tools:
+        return None
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
     if isinstance(choice, str) and choice not in ("none", "auto", "required"):
         choice = NamedToolChoice(function={"name": choice})  # TGI takes a bare function name
     if choice == "none":
         return None
-    if not tools:
-        raise tool_error("`tool_choice` needs `tools`: no functions were given")
     _check_tools(tools)
     if isinstance(choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
@@ -116,21 +118,27 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict:
 class Reply:
     content: str | None
     tool_calls: list[dict] | None
+    complete: bool = True  # False: a call whose `arguments` were cut short
 
 
 def read_reply(text: str, call_id: str) -> Reply:
-    """The generated text as OpenAI's message; text that is not a complete call or content object
-    (cut by `max_tokens`) is returned as content, as generated."""
+    """The generated text (whole or cut short by `max_tokens` / a stop sequence) as OpenAI's message,
+    by one rule that api/reply_stream.py follows token by token, so both agree on every prefix:
+    - once the name and `"arguments":` are out, a call, its `arguments` the JSON text so far
+      (`complete` once that value is whole);
+    - once `{"content": "` is out, content: the string decoded so far (an escape still incomplete is
+      left out);
+    - before either (`{"na`, or nothing), neither: `content` null and no `tool_calls`."""
     call = CALL_HEAD.match(text)
     if call:
         end = value_end(text, call.end())
-        if end is not None:
-            return Reply(None, [tool_call(call_id, json.loads(f'"{call.group(1)}"'), text[call.end():end])])
+        arguments = text[call.end(): len(text) if end is None else end]
+        return Reply(None, [tool_call(call_id, json.loads(f'"{call.group(1)}"'), arguments)], end is not None)
     content = CONTENT_HEAD.match(text)
-    if content:  # complete or cut short, the text decoded so far
+    if content:
         body = text[content.end():]
         return Reply(json.loads(f'"{body[: decodable(body)]}"'), None)
-    return Reply(text, None)
+    return Reply(None, None)
 
 
 def value_end(text: str, start: int) -> int | None:
@@ -163,8 +171,10 @@ def decodable(raw: str) -> int:
 
 
 def finish_reason(reason: str, reply: Reply) -> str:
-    """OpenAI's: a completed call ends with "tool_calls" (TGI omits it, #2794)."""
-    return "tool_calls" if reply.tool_calls and reason in ("stop", "eos_token", "stop_sequence") else reason
+    """OpenAI's: a call with whole arguments ends with "tool_calls" (TGI omits it, #2794); one cut
+    short keeps the generation's reason ("length")."""
+    whole_call = bool(reply.tool_calls) and reply.complete
+    return "tool_calls" if whole_call and reason in ("stop", "eos_token", "stop_sequence") else reason
 
 
 def message_for_template(message: Any, takes_tools: bool) -> dict:

@@ -43,13 +43,14 @@ def sampling(temperature: float | None) -> dict:
 
 
 def chat_parameters(body: ChatRequest, tools: ToolPlan | None) -> Parameters:
-    if tools is not None and body.response_format is not None:
+    grammar = response_format_grammar(body.response_format)  # None for no format and for {"type": "text"}
+    if tools is not None and grammar is not None:
         raise tool_error("Grammar and tools are mutually exclusive: give `response_format` or `tools`, not both")
     return Parameters(
         repetition_penalty=None if body.presence_penalty is None else body.presence_penalty + 2.0,
         frequency_penalty=body.frequency_penalty, top_p=body.top_p, max_new_tokens=body.max_tokens,
         stop=body.stop or [], details=True, seed=body.seed, top_n_tokens=body.top_logprobs,
-        grammar=tools.grammar() if tools is not None else response_format_grammar(body.response_format),
+        grammar=tools.grammar() if tools is not None else grammar,
         **sampling(body.temperature),
     )
 
@@ -122,7 +123,7 @@ def chat_chunks(chat: ChatRun, index: int, step: StreamStep, readers: list[Reply
     chunks = [bodies.chat_chunk(step.token, None, chat.logprobs, index, delta) for delta in deltas]
     if step.final is not None:
         reason = tool_finish_reason(openai_finish_reason(step.final), read_reply(reader.text, reader.call_id))
-        chunks.append(bodies.chat_chunk(step.token, step.final, False, index, {}, reason))
+        chunks.append(bodies.chat_chunk(step.token, step.final, False, index, reader.close(), reason))
     return chunks
 
 
@@ -139,11 +140,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise ApiError(422, "Suffix is not supported and can be achieved by preprocessing the prompt.",
                        "suffix not supported")
     prompts = body.prompts()
-    if len(prompts) > state.config.max_client_batch_size:
-        raise ApiError(422, "Number of prompts exceeds the maximum allowed batch size of "
-                            f"{state.config.max_client_batch_size}", "batch size exceeded")
-    n = body.n or 1
+    n, limit = body.n or 1, state.config.max_client_batch_size
+    if len(prompts) > limit:
+        raise ApiError(422, f"Number of prompts exceeds the maximum allowed batch size of {limit}",
+                       "batch size exceeded")
     check_n(n, state)
+    if len(prompts) * n > limit:  # every prompt's n sequences run at once
+        raise ApiError(422, f"{len(prompts)} prompts × `n` = {n} is {len(prompts) * n} sequences, which exceeds the "
+                            f"maximum allowed batch size of {limit} (--max-client-batch-size)", "batch size exceeded")
     params, seeds = completion_parameters(body), sequence_seeds(body.seed, n)
     if body.stream:
         return sse.response(completion_events(state.openai_for(body.model), state, prompts, params, seeds))
