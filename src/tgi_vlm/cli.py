@@ -18,6 +18,7 @@ from loguru import logger
 
 from tgi_vlm.config import EngineConfig, ServerConfig
 from tgi_vlm.log import setup_logging
+from tgi_vlm.lora.specs import parse_lora_adapters
 
 if TYPE_CHECKING:
     from tgi_vlm.models.types import ShardModel
@@ -99,8 +100,14 @@ def unsupported_features(config: ServerConfig, quantize: Optional[str], speculat
         problems.append(f"--speculate {speculate} must be >= 0 (draft tokens per step)")
     if kv_cache_dtype:
         problems.append(f"--kv-cache-dtype {kv_cache_dtype} is not supported; the KV cache uses the model dtype")
-    if config.lora_adapters:
-        problems.append(f"LoRA adapters ({config.lora_adapters}) are not supported; merge them into the weights")
+    try:
+        adapters = parse_lora_adapters(config.lora_adapters)
+    except ValueError as exc:
+        problems.append(str(exc))
+    else:
+        if adapters and config.world_size > 1:
+            problems.append(f"--lora-adapters with WORLD_SIZE={config.world_size}: LoRA adapters are served on one "
+                            "shard only (their A/B weights are not split across ranks yet); use --num-shard 1")
     return problems
 
 
@@ -140,7 +147,8 @@ def serve(
         # Only now: reading the device imports torch.
         engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
                                        trust_remote_code=trust_remote_code, speculate=speculate or 0,
-                                       rank=config.rank, world_size=config.world_size, quantize=quantize or None)
+                                       rank=config.rank, world_size=config.world_size, quantize=quantize or None,
+                                       lora_adapters=parse_lora_adapters(config.lora_adapters))
     except ValueError as exc:
         _fail(str(exc))
     run_server(dataclasses.replace(config, engine=engine))
