@@ -63,7 +63,7 @@ def make_adapter(arch: str, out: Path, recipe: AdapterRecipe, *, model: torch.nn
         for name, param in peft_model.named_parameters():
             if ".lora_A." in name or ".lora_B." in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * STD)
-    peft_model.save_pretrained(out)
+    peft_model.save_pretrained(out, save_embedding_layers=False)
     return out
 
 
