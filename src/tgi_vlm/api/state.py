@@ -34,11 +34,17 @@ class ApiState:
         lengths = LengthLimits(router.shard.max_input_tokens, router.shard.max_total_tokens)
         images = ImageResolver(FetchLimits(config.max_image_fetch_size, config.image_fetch_timeout_s))
         metrics = Metrics(router, lengths.max_input_tokens, lengths.max_total_tokens)
-        validator = Validator(config, counter, lengths, images, prompt_tokens=router.config.prefix_caching)
+        validator = Validator(config, counter, lengths, images, prompt_tokens=router.config.prefix_caching,
+                              adapters=tuple(router.shard.info.lora_adapters))
         infer = Infer(router, validator, metrics, config.max_concurrent_requests)
         chat_template = ChatTemplate(counter.tokenizer, counter.processor)
         openai = OpenAiBodies(config.model_id, f"{__version__}-native")
         return cls(config, router, counter, lengths, images, metrics, infer, chat_template, openai)
+
+    def adapter_for(self, model: str | None) -> str:
+        """The LoRA adapter an OpenAI route's `model` names, as TGI reads it: any value but "tgi" is an adapter id.
+        Beyond TGI, the served model's own id (what /v1/models lists, what OpenAI clients send) is the base model too."""
+        return "" if model in (None, "", "tgi", self.config.model_id) else model
 
     def openai_for(self, model: str | None) -> OpenAiBodies:
         """TGI echoes the request's `model` unless it is absent or "tgi"."""

@@ -8,6 +8,7 @@ here without the engine, so the router driver, `generate`, `bench` and `launch` 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _SPEC = re.compile(r"^(?P<id>[^=@]+)(?:=(?P<path>[^=@]+))?(?:@(?P<revision>[^=@]+))?$")
@@ -27,6 +28,13 @@ class AdapterSpec:
 
     def __str__(self) -> str:
         return self.id + (f"={self.path}" if self.path else "") + (f"@{self.revision}" if self.revision else "")
+
+
+def unknown_adapter_message(adapter_id: str, loaded: Sequence[str]) -> str:
+    """The refusal of a request naming an adapter that is not loaded (the shard's, the driver's and the HTTP 422's)."""
+    listed = ", ".join(repr(n) for n in loaded) if loaded else "none"
+    return (f"adapter_id {adapter_id!r} is not a loaded LoRA adapter (loaded: {listed}; leave adapter_id empty for "
+            "the base model)")
 
 
 def parse_lora_adapters(text: str | None) -> tuple[AdapterSpec, ...]:

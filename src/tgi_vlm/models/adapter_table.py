@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tgi_vlm.layers.step_context import BASE_ADAPTER
+from tgi_vlm.lora.specs import unknown_adapter_message
 
 
 class UnknownAdapter(KeyError):
@@ -20,9 +21,7 @@ class UnknownAdapter(KeyError):
 
     def __init__(self, adapter_id: str, loaded: Sequence[str]):
         self.adapter_id = adapter_id
-        listed = ", ".join(repr(n) for n in loaded) if loaded else "none"
-        self.message = (f"adapter_id {adapter_id!r} is not a loaded LoRA adapter (loaded: {listed}; "
-                        "leave adapter_id empty for the base model)")
+        self.message = unknown_adapter_message(adapter_id, loaded)
         super().__init__(self.message)
 
     def __str__(self) -> str:

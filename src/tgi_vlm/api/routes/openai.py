@@ -48,6 +48,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         raise tool_error("tools are not supported (tool calls need grammar-constrained generation)")
     inputs = state.chat_template.apply(body.messages)
     params = chat_parameters(body)
+    params.adapter_id = state.adapter_for(body.model) or None
     logprobs = bool(body.logprobs)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -86,6 +87,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise ApiError(422, "Number of prompts exceeds the maximum allowed batch size of "
                             f"{state.config.max_client_batch_size}", "batch size exceeded")
     params = completion_parameters(body)
+    params.adapter_id = state.adapter_for(body.model) or None
     if body.stream:
         return sse.response(completion_events(state.openai_for(body.model), state, prompts, params))
     results = await unless_disconnected(request, asyncio.gather(*[state.infer.generate(p, params) for p in prompts]))
