@@ -66,7 +66,8 @@ def test_int8_grouped_layers_add_each_rows_adapter_delta(adapter_dirs):
         got = o_proj(x)[0]
     expected = o_proj.linear_kernel(x)[0].clone()
     for rows, adapter in ((slice(0, 2), 2), (slice(5, 6), 1)):
-        expected[rows] += x[0, rows] @ o_proj.extra.a[adapter].T @ o_proj.extra.b[adapter].T
+        a, b = o_proj.extra.pair(adapter)
+        expected[rows] += x[0, rows] @ a.T @ b.T
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert not torch.allclose(got, o_proj.linear_kernel(x)[0], atol=1e-3)  # the delta is there
 

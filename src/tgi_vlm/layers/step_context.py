@@ -42,6 +42,22 @@ class AdapterRows:
 
 
 @dataclass(frozen=True, eq=False)
+class PaddedGroups:
+    """The rows of every adapter but the base model's, as `k` equal-width groups (for batched products).
+
+    `rows` `[k * width]`: group g's rows at `[g * width, (g + 1) * width)`, ascending, a shorter group padded by
+    repeating its last row; `padding` `[k * width, 1]` bool marks those repeats (a product over them is zeroed
+    before it is added, so a row is never added twice). `adapters` `[k]`: each group's adapter index; `span`: the
+    half-open range of indices when the adapters are consecutive (a slice instead of a gather), else None."""
+
+    adapters: torch.Tensor
+    rows: torch.Tensor
+    padding: torch.Tensor | None  # None: every group is exactly `width` rows
+    width: int
+    span: tuple[int, int] | None
+
+
+@dataclass(frozen=True, eq=False)
 class StepContext:
     """Per-sequence facts of one step, in step order (the step's windows); sequence b owns rows
     `[row_starts[b], row_starts[b + 1])`. Lifetime: one step (graphed: as long as its graph)."""
@@ -131,6 +147,27 @@ class StepContext:
             rows = torch.cat([torch.arange(s, e) for s, e in ranges]).to(self.device)
             groups.append(AdapterRows(adapter, ranges, rows))
         return tuple(groups)
+
+
+    @cached_property
+    def padded_groups(self) -> PaddedGroups | None:
+        """The non-base adapters' rows as equal-width groups (`PaddedGroups`); None when every row is the base
+        model's. Host-side grouping, as `adapter_groups`: not inside a graph."""
+        if self.graphed:
+            raise RuntimeError("padded_groups is host-side grouping; inside a captured graph read row_adapter")
+        groups = {a: [r for s, e in ranges for r in range(s, e)]
+                  for a, ranges in self.adapter_ranges.items() if a != BASE_ADAPTER}
+        if not groups:
+            return None
+        width = max(len(rows) for rows in groups.values())
+        rows, padding = [], []
+        for own in groups.values():
+            rows += own + [own[-1]] * (width - len(own))
+            padding += [False] * len(own) + [True] * (width - len(own))
+        adapters = list(groups)
+        span = (adapters[0], adapters[-1] + 1) if adapters == list(range(adapters[0], adapters[-1] + 1)) else None
+        return PaddedGroups(torch.tensor(adapters, device=self.device), torch.tensor(rows, device=self.device),
+                            torch.tensor(padding, device=self.device)[:, None] if any(padding) else None, width, span)
 
 
 _CURRENT: ContextVar[StepContext | None] = ContextVar("tgi_vlm_step_context", default=None)

@@ -37,7 +37,7 @@ def attach_adapters(engine, specs: Sequence[AdapterSpec]) -> AdapterTable:
     modules = dict(engine.model.named_modules())
     for name, by_adapter in pairs.items():
         layer = modules[name]
-        layer.extra = LoraDelta(by_adapter, layer.in_features, layer.out_features)
+        layer.extra = LoraDelta(by_adapter, layer.in_features, layer.out_features, len(specs))
     for index, checkpoint in enumerate(checkpoints, start=1):
         ranks = sorted({m.rank for m in checkpoint.modules.values()})
         logger.info("LoRA adapter {} ({}): index {}, {} layers, rank {}", checkpoint.name, checkpoint.path, index,

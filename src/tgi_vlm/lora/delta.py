@@ -1,16 +1,19 @@
 """`LoraDelta`: one linear layer's LoRA term for every loaded adapter, added to the layer's output row by row.
 
 For adapter i targeting the layer, peft's merged weight is `W + scale_i B_i A_i`; for a row of adapter i the
-layer's output is `x W^T + (x A_i^T)(scale_i B_i)^T`. Stored: `a[i]` `[r_i, in]` and `b[i]` = `scale_i B_i`
-`[out, r_i]` (scale folded at load) in the model's dtype and device; index 0 (the base model) and adapters that do
-not target this layer have none, and cost nothing.
+layer's output is `x W^T + (x A_i^T)(scale_i B_i)^T`. Stored, in the model's dtype and device, stacked by adapter
+index: A `[N + 1, r, in]` and (scale_i B_i)^T `[N + 1, r, out]` (scale folded at load); slot 0 (the base model) and
+adapters that do not target this layer are zeros, smaller ranks zero-padded, so any product over them adds exactly 0.
+Base rows are never multiplied in eager steps.
 
-Eager steps: the step context (layers/step_context.py) groups rows by adapter; per adapter with rows, two small
-products over its rows — contiguous runs through slices (`addmm_` into the output view), scattered rows through
-`index_select` / `index_add_`. A captured CUDA graph cannot change its grouping between replays, so inside one the
-adapters are stacked (`a_all` `[R, in]`, `b_all` `[out, R]`, R the sum of ranks) and each row's rank columns are
-kept by a mask read from the static adapter-index buffer (`row_adapter`): one pair of products for every adapter,
-exact (the other adapters' columns are multiplied by 0).
+Eager steps read the step context's grouping (layers/step_context.py, built once per step for all layers): with at
+most `SLICED_RUNS` runs of adapter rows (a prefill of one or two sequences), two products per run on slices
+(`addmm_` into the output view); otherwise every adapter's rows at once — gathered into `k` equal-width groups
+(`PaddedGroups`), two batched products (`bmm`) against the `k` adapters' stacks, padding rows zeroed, added back
+with one `index_add_` — seven operations per layer however many adapters the batch mixes. A captured CUDA graph
+cannot change its grouping between replays, so inside one every adapter's rank columns are computed for every row
+and kept by a mask read from the static adapter-index buffer (`row_adapter`): one pair of products, exact (the
+other adapters' columns are multiplied by 0).
 
 `add_to` writes into `out` in place, which may be a column block of a fused q/k/v or gate/up product
 (layers/linear/fused.py): the lean layers read that product directly. Outside the engine's language-model forward
@@ -21,25 +24,35 @@ from __future__ import annotations
 
 import torch
 
-from tgi_vlm.layers.step_context import current
+from tgi_vlm.layers.step_context import BASE_ADAPTER, PaddedGroups, current
+
+# Up to this many runs of adapter rows (a prefill of few sequences), two products per run on slices of the rows;
+# more (a decode batch of several adapters), every adapter's rows in two batched products (`_add_grouped`).
+SLICED_RUNS = 2
 
 
 class LoraDelta:
-    """The `LinearExtra` of one layer: `a`/`b` by adapter index (see the module docstring)."""
+    """The `LinearExtra` of one layer (see the module docstring). Stacks, one slot per adapter index (slot 0, the
+    base model, and adapters that do not target this layer hold zeros; ranks below the largest are zero-padded):
+    `a_stack` `[N + 1, r, in]` and `bt_stack` `[N + 1, r, out]` (B transposed, scale folded in)."""
 
-    def __init__(self, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], in_features: int, out_features: int):
-        self.a = {i: a for i, (a, _) in pairs.items()}  # [r_i, in]
-        self.b = {i: b for i, (_, b) in pairs.items()}  # [out, r_i], scale folded in
+    def __init__(self, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], in_features: int, out_features: int,
+                 num_adapters: int):
+        first = next(iter(pairs.values()))[0]
+        rank = max(a.shape[0] for a, _ in pairs.values())
         self.in_features, self.out_features = in_features, out_features
-        order = sorted(pairs)
-        self.a_all = torch.cat([self.a[i] for i in order])  # [R, in]
-        self.b_all = torch.cat([self.b[i] for i in order], dim=1)  # [out, R]
-        self.column_adapter = torch.cat([torch.full((self.a[i].shape[0],), i, dtype=torch.long) for i in order]
-                                        ).to(self.a_all.device)  # [R]
+        self.a_stack = first.new_zeros(num_adapters + 1, rank, in_features)
+        self.bt_stack = first.new_zeros(num_adapters + 1, rank, out_features)
+        for index, (a, b) in pairs.items():
+            self.a_stack[index, : a.shape[0]] = a
+            self.bt_stack[index, : a.shape[0]] = b.T
+        self.adapters = tuple(sorted(pairs))
+        # graphs: column j of the stacked rank dimension belongs to adapter j // rank
+        self.column_adapter = torch.arange(num_adapters + 1, device=first.device).repeat_interleave(rank)
 
-    @property
-    def adapters(self) -> tuple[int, ...]:
-        return tuple(sorted(self.a))
+    def pair(self, adapter: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A `[r, in]`, scaled B `[out, r]`) of `adapter` as stored (rank zero-padded to the layer's largest)."""
+        return self.a_stack[adapter], self.bt_stack[adapter].T
 
     def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ctx = current()
@@ -51,24 +64,25 @@ class LoraDelta:
             raise RuntimeError(f"a LoRA layer got {rows.shape[0]} rows in a step of {ctx.num_rows}: only layers "
                                "that see every row of the step can carry an adapter")
         if ctx.graphed:
-            keep = ctx.row_adapter[:, None] == self.column_adapter[None, :]  # [T, R]
-            target.addmm_((rows @ self.a_all.T) * keep, self.b_all.T)
+            keep = ctx.row_adapter[:, None] == self.column_adapter[None, :]  # [T, (N + 1) r]
+            h = rows @ self.a_stack.view(-1, self.in_features).T
+            target.addmm_(h * keep, self.bt_stack.view(-1, self.out_features))
             return
-        for adapter, ranges in ctx.adapter_ranges.items():
-            a = self.a.get(adapter)
-            if a is None:
-                continue
-            b = self.b[adapter]
-            if len(ranges) == 1:
-                start, end = ranges[0]
-                target[start:end].addmm_(rows[start:end] @ a.T, b.T)
-            else:
-                index = _group_rows(ctx, adapter)
-                target.index_add_(0, index, (rows.index_select(0, index) @ a.T) @ b.T)
+        runs = [(a, r) for a, ranges in ctx.adapter_ranges.items() if a != BASE_ADAPTER for r in ranges]
+        if len(runs) <= SLICED_RUNS:
+            for adapter, (start, end) in runs:
+                target[start:end].addmm_(rows[start:end] @ self.a_stack[adapter].T, self.bt_stack[adapter])
+        elif runs:
+            self._add_grouped(rows, target, ctx.padded_groups)
 
-
-def _group_rows(ctx, adapter: int) -> torch.Tensor:
-    for group in ctx.adapter_groups:
-        if group.adapter == adapter:
-            return group.rows
-    raise KeyError(adapter)
+    def _add_grouped(self, rows: torch.Tensor, target: torch.Tensor, groups: PaddedGroups) -> None:
+        """Every adapter's rows at once: two batched products over `k` equal-width groups."""
+        if groups.span is not None:
+            a, bt = self.a_stack[groups.span[0] : groups.span[1]], self.bt_stack[groups.span[0] : groups.span[1]]
+        else:
+            a, bt = self.a_stack.index_select(0, groups.adapters), self.bt_stack.index_select(0, groups.adapters)
+        x = rows.index_select(0, groups.rows).view(a.shape[0], groups.width, self.in_features)  # [k, m, in]
+        delta = torch.bmm(torch.bmm(x, a.transpose(1, 2)), bt).view(-1, self.out_features)  # [k * m, out]
+        if groups.padding is not None:
+            delta.masked_fill_(groups.padding, 0)
+        target.index_add_(0, groups.rows, delta)
