@@ -254,3 +254,17 @@ def test_serve_takes_tgis_quantize_eetq_into_the_engine_config(served):
     assert [c.engine.quantize for c in served] == ["eetq"]
     invoke("serve", "/models/m")
     assert served[-1].engine.quantize is None
+
+
+@pytest.mark.parametrize("command", [["generate", "/models/m", "--prompt", "hi"], ["launch", "/models/m"],
+                                     ["bench", "/models/m", "--no-hf"]])
+def test_generate_launch_and_bench_check_lora_adapters_before_starting_anything(command):
+    result = invoke(*command, "--lora-adapters", "a=x=y")
+    assert result.exit_code == 1
+    assert "--lora-adapters: 'a=x=y' is not id, id=path" in result.output
+
+
+def test_bench_refuses_the_transformers_reference_with_lora_adapters():
+    result = invoke("bench", "/models/m", "--lora-adapters", "a=/x")
+    assert result.exit_code == 1
+    assert "the transformers reference runs the base model only; pass --no-hf" in result.output

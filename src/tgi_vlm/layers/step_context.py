@@ -150,6 +150,11 @@ class StepContext:
 
 
     @cached_property
+    def adapter_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(adapter, start, end) for every run of rows of an adapter other than the base model, ascending adapter."""
+        return tuple((a, s, e) for a, ranges in self.adapter_ranges.items() if a != BASE_ADAPTER for s, e in ranges)
+
+    @cached_property
     def padded_groups(self) -> PaddedGroups | None:
         """The non-base adapters' rows as equal-width groups (`PaddedGroups`); None when every row is the base
         model's. Host-side grouping, as `adapter_groups`: not inside a graph."""
