@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tgi_vlm.layers.step_context import StepContext, using
-from tgi_vlm.lora.delta import SLICED_RUNS, LoraDelta
+from tgi_vlm.lora.delta import LoraDelta
 
 IN, OUT, N = 24, 20, 5
 CPU = torch.device("cpu")
@@ -38,6 +38,7 @@ def expected(x: torch.Tensor, base: torch.Tensor, ctx: StepContext, pairs) -> to
 CONTEXTS = {  # (sequence lengths, adapters)
     "two runs: slices": ([3, 2, 4], [1, 0, 4]),
     "consecutive adapters, padded groups": ([3, 1, 2, 1, 1, 2], [1, 2, 0, 1, 2, 0]),
+    "many rows of consecutive adapters: padded groups": ([40, 30, 20, 3], [1, 2, 1, 0]),
     "gathered adapters with one that does not target the layer": ([1, 1, 1, 1, 1, 1, 1], [5, 0, 1, 3, 5, 4, 1]),
     "base only": ([2, 3], [0, 0]),
 }
@@ -62,19 +63,20 @@ def test_each_row_gets_its_own_adapters_delta_in_every_eager_path(delta, case):
     torch.testing.assert_close(out[0], expected(x[0], base[0], ctx, pairs), rtol=1e-5, atol=1e-5)
 
 
-def test_the_cases_reach_every_eager_path(delta):
-    paths = set()
-    for lengths, adapters in CONTEXTS.values():
-        ctx = context(lengths, adapters)
-        runs = len(ctx.adapter_runs)
-        if runs == 0:
-            paths.add("none")
-        elif runs <= SLICED_RUNS:
-            paths.add("sliced")
-        else:
-            groups = ctx.padded_groups
-            paths.add(("grouped", groups.span is not None, groups.padding is not None))
-    assert paths == {"none", "sliced", ("grouped", True, True), ("grouped", False, True)}
+def test_the_cases_reach_every_eager_path(delta, monkeypatch):
+    layer, _ = delta
+    taken = []
+    monkeypatch.setattr(LoraDelta, "_add_masked", lambda self, *args: taken.append("masked"))
+    monkeypatch.setattr(LoraDelta, "_add_grouped", lambda self, rows, target, groups: taken.append(
+        ("grouped", groups.span is not None, groups.padding is not None)))
+    paths = {}
+    for case, (lengths, adapters) in CONTEXTS.items():
+        ctx, before = context(lengths, adapters), len(taken)
+        with using(ctx):
+            layer.add_to(torch.zeros(ctx.num_rows, IN), torch.zeros(ctx.num_rows, OUT))
+        paths[case] = taken[-1] if len(taken) > before else "sliced" if ctx.adapter_runs else "none"
+    assert list(paths.values()) == ["sliced", ("grouped", True, True), ("grouped", True, True), ("grouped", False, True),
+                                    "none"]
 
 
 def test_a_graphed_context_adds_by_the_static_adapter_buffer(delta):
@@ -111,7 +113,8 @@ def test_outside_a_step_nothing_is_added_and_a_partial_row_set_is_refused(delta)
         layer.add_to(torch.ones(3, IN), out)
 
 
-@pytest.mark.parametrize("case", ["two runs: slices", "gathered adapters with one that does not target the layer"])
+@pytest.mark.parametrize("case", ["two runs: slices", "consecutive adapters, padded groups",
+                                  "gathered adapters with one that does not target the layer"])
 def test_a_bfloat16_layer_gets_the_float32_delta_rounded_once(delta, case):
     layer, pairs = delta
     ctx = context(*CONTEXTS[case])
