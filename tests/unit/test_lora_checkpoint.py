@@ -132,3 +132,29 @@ def test_an_adapter_for_modules_the_model_lacks_is_refused(copy):
     with pytest.raises(AdapterError, match="'other': targets 'model.layers.7.self_attn.v_proj', which this model "
                                            "does not have"):
         load_engine("llama", lora_adapters=(AdapterSpec("other", str(path)),))
+
+
+def test_a_hub_id_is_read_through_the_hf_cache_with_only_the_adapter_files(good, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def snapshot(**kwargs):
+        calls.append(kwargs)
+        return str(good)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    checkpoint = load_checkpoint(AdapterSpec("org/some-lora", None, "v2"))
+    assert checkpoint.path == good and len(checkpoint.modules) == 4
+    assert calls == [{"repo_id": "org/some-lora", "revision": "v2",
+                      "allow_patterns": ["adapter_config.json", "adapter_model.safetensors"]}]
+
+
+def test_adapters_are_refused_on_a_tensor_parallel_rank():
+    from types import SimpleNamespace
+
+    from tgi_vlm.lora.attach import attach_adapters
+
+    engine = SimpleNamespace(layout=SimpleNamespace(world_size=2))
+    with pytest.raises(ValueError, match="--lora-adapters with --num-shard 2: LoRA adapters are served on one shard"):
+        attach_adapters(engine, (AdapterSpec("a", "/nowhere"),))

@@ -9,7 +9,8 @@ that forward (plain transformers, the vision tower, tests calling a layer direct
 run as the base model.
 
 Decide on the host, act on the device: the context holds per-sequence host tuples; the per-row device
-tensors and the grouping of rows by adapter are derived from them at most once per step, on first
+tensors and the grouping of rows by adapter (`adapter_ranges`, `adapter_runs`, `adapter_groups`, and
+`padded_groups`, the LoRA layers' batched form) are derived from them at most once per step, on first
 use, so a step whose layers never ask builds no tensor.
 
 Captured CUDA graphs cannot read host values at replay. A graphed context (`for_graph`) has one row
