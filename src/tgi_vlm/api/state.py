@@ -42,9 +42,11 @@ class ApiState:
         return cls(config, router, counter, lengths, images, metrics, infer, chat_template, openai)
 
     def adapter_for(self, model: str | None) -> str:
-        """The LoRA adapter an OpenAI route's `model` names, as TGI reads it: any value but "tgi" is an adapter id.
-        Beyond TGI, the served model's own id (what /v1/models lists, what OpenAI clients send) is the base model too."""
-        return "" if model in (None, "", "tgi", self.config.model_id) else model
+        """The LoRA adapter an OpenAI route's `model` names: TGI reads any value but "tgi" as an adapter id and serves
+        an id it has not loaded on the base model; clients send whatever they were configured with ("tgi", the
+        model's id, huggingface_hub's "dummy"), so here too a `model` that is not a loaded adapter is the base model.
+        `/generate`'s explicit `adapter_id` is the one refused (422) when unknown."""
+        return model if model and model in self.router.shard.info.lora_adapters else ""
 
     def openai_for(self, model: str | None) -> OpenAiBodies:
         """TGI echoes the request's `model` unless it is absent or "tgi"."""

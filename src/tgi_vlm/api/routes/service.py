@@ -33,10 +33,10 @@ def info(state: ApiState) -> dict:
         "validation_workers": config.validation_workers,
         "max_client_batch_size": config.max_client_batch_size,
         "router": "tgi-vlm",
-        "lora_adapters": list(state.router.shard.info.lora_adapters),  # beyond TGI's Info: adapter_id values served
         "version": __version__,
         "sha": None,
         "docker_label": None,
+        "lora_adapters": list(state.router.shard.info.lora_adapters),  # beyond TGI's Info: adapter_id values served
     }
 
 
