@@ -56,9 +56,9 @@ def _pairs_by_layer(engine, checkpoints: list[LoraCheckpoint]) -> dict[str, dict
                 raise AdapterError(checkpoint.name, f"targets {name!r}, which this model does not have (an adapter "
                                                     "for another base model?)")
             _check_layer(checkpoint.name, name, layer, id(layer) in language, lora.a.shape, lora.b.shape)
-            dtype, device = engine.dtype, engine.device
-            pairs.setdefault(name, {})[index] = (lora.a.to(device=device, dtype=dtype),
-                                                 (lora.b * lora.scale).to(device=device, dtype=dtype))
+            # float32 whatever the model's dtype: the deltas are computed in float32 (lora/delta.py)
+            pairs.setdefault(name, {})[index] = (lora.a.to(engine.device, torch.float32),
+                                                 (lora.b * lora.scale).to(engine.device, torch.float32))
     return pairs
 
 

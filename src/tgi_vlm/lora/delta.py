@@ -1,7 +1,7 @@
 """`LoraDelta`: one linear layer's LoRA term for every loaded adapter, added to the layer's output row by row.
 
 For adapter i targeting the layer, peft's merged weight is `W + scale_i B_i A_i`; for a row of adapter i the
-layer's output is `x W^T + (x A_i^T)(scale_i B_i)^T`. Stored, in the model's dtype and device, stacked by adapter
+layer's output is `x W^T + (x A_i^T)(scale_i B_i)^T`. Stored in float32 on the model's device, stacked by adapter
 index: A^T `[N + 1, in, r]` and (scale_i B_i)^T `[N + 1, r, out]` (scale folded at load), each contiguous in the
 layout `bmm` reads (a transposed view sent float32 `bmm` down a path ~500x slower: 5.1 ms against 8.7 us for one
 decode layer's product, same run); slot 0 (the base model) and adapters that do not target this layer are zeros,
