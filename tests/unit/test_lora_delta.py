@@ -21,7 +21,7 @@ def delta():
     pairs = {i: (torch.randn(r, IN, generator=g, dtype=torch.float64), torch.randn(OUT, r, generator=g,
                                                                                 dtype=torch.float64))
              for i, r in ((1, 4), (2, 2), (4, 4), (5, 3))}
-    return LoraDelta({i: (a.float(), b.float()) for i, (a, b) in pairs.items()}, IN, OUT, N), pairs
+    return LoraDelta.from_pairs({i: (a.float(), b.float()) for i, (a, b) in pairs.items()}, N), pairs
 
 
 def expected(x: torch.Tensor, base: torch.Tensor, ctx: StepContext, pairs) -> torch.Tensor:
@@ -125,3 +125,30 @@ def test_a_bfloat16_layer_gets_the_float32_delta_rounded_once(delta, case):
     want = expected(x[0], torch.zeros(ctx.num_rows, OUT), ctx, pairs)  # float32 sums of the bf16 inputs
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out[0], want.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", list(CONTEXTS) + ["graphed"])
+def test_a_fused_groups_one_term_equals_its_members_terms_in_their_column_blocks(case):
+    """q/k/v-like: members of widths 12, 6, 6 with ranks 4, none, 2 (as an adapter targeting q and v only)."""
+    g = torch.Generator().manual_seed(3)
+    widths = [12, 6, 6]
+    members = [LoraDelta.from_pairs({i: (torch.randn(4, IN, generator=g), torch.randn(12, 4, generator=g))
+                                     for i in (1, 2, 4)}, N), None,
+               LoraDelta.from_pairs({i: (torch.randn(2, IN, generator=g), torch.randn(6, 2, generator=g))
+                                     for i in (2, 5)}, N)]
+    fused = LoraDelta.fused(members, widths)
+    if case == "graphed":
+        ctx = StepContext.for_graph(8, CPU)
+        ctx.static_adapters.copy_(torch.tensor([2, 0, 5, 3, 1, 1, 4, 0]))
+    else:
+        ctx = context(*CONTEXTS[case])
+    x = torch.randn(1, ctx.num_rows, IN, generator=g)
+    got, want = torch.zeros(1, ctx.num_rows, 24), torch.zeros(1, ctx.num_rows, 24)
+    with using(ctx):
+        fused.add_to(x, got)
+        for member, start, width in zip(members, (0, 12, 18), widths):
+            if member is not None:
+                member.add_to(x, want[..., start : start + width])
+    assert fused.adapters == (1, 2, 4, 5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[..., 12:18].any()  # the member without a term

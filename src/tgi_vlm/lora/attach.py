@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from loguru import logger
 
+from tgi_vlm.layers.linear.fused import fused_groups
 from tgi_vlm.layers.linear.modules import KernelLinear
 from tgi_vlm.lora.checkpoint import AdapterError, LoraCheckpoint, load_checkpoint
 from tgi_vlm.lora.delta import LoraDelta
@@ -36,8 +37,11 @@ def attach_adapters(engine, specs: Sequence[AdapterSpec]) -> AdapterTable:
     pairs = _pairs_by_layer(engine, checkpoints)
     modules = dict(engine.model.named_modules())
     for name, by_adapter in pairs.items():
-        layer = modules[name]
-        layer.extra = LoraDelta(by_adapter, layer.in_features, layer.out_features, len(specs))
+        modules[name].extra = LoraDelta.from_pairs(by_adapter, len(specs))
+    for group in fused_groups(engine.language_model):  # one product pair per fused q/k/v or gate/up group
+        extras = [member.extra for member in group.members]
+        if any(extra is not None for extra in extras):
+            group.extra = LoraDelta.fused(extras, group.widths)
     for index, checkpoint in enumerate(checkpoints, start=1):
         ranks = sorted({m.rank for m in checkpoint.modules.values()})
         logger.info("LoRA adapter {} ({}): index {}, {} layers, rank {}", checkpoint.name, checkpoint.path, index,

@@ -52,21 +52,43 @@ class LoraDelta:
     `at_stack` `[N + 1, in, r]` (A transposed) and `bt_stack` `[N + 1, r, out]` (B transposed, scale folded in),
     both contiguous in the layout `bmm` reads; `a_columns` `[in, (N + 1) r]`, the same A side by side, for graphs."""
 
-    def __init__(self, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], in_features: int, out_features: int,
-                 num_adapters: int):
-        first = next(iter(pairs.values()))[0]
-        rank = max(a.shape[0] for a, _ in pairs.values())
-        self.in_features, self.out_features = in_features, out_features
-        self.at_stack = torch.zeros(num_adapters + 1, in_features, rank, device=first.device)
-        self.bt_stack = torch.zeros(num_adapters + 1, rank, out_features, device=first.device)
-        for index, (a, b) in pairs.items():
-            self.at_stack[index, :, : a.shape[0]] = a.T.float()
-            self.bt_stack[index, : a.shape[0]] = b.T.float()
-        self.adapters = tuple(sorted(pairs))
-        self.rank = rank
-        self.a_columns = self.at_stack.permute(1, 0, 2).reshape(in_features, -1)  # [in, (N + 1) r]
+    def __init__(self, at_stack: torch.Tensor, bt_stack: torch.Tensor, adapters: tuple[int, ...]):
+        self.at_stack, self.bt_stack = at_stack, bt_stack  # [N + 1, in, r], [N + 1, r, out] float32
+        self.in_features, self.rank, self.out_features = at_stack.shape[1], at_stack.shape[2], bt_stack.shape[2]
+        self.adapters = adapters
+        self.a_columns = at_stack.permute(1, 0, 2).reshape(self.in_features, -1)  # [in, (N + 1) r]
         # graphs: column j of the stacked rank dimension belongs to adapter j // rank
-        self.column_adapter = torch.arange(num_adapters + 1, device=first.device).repeat_interleave(rank)
+        self.column_adapter = torch.arange(at_stack.shape[0], device=at_stack.device).repeat_interleave(self.rank)
+
+    @classmethod
+    def from_pairs(cls, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]], num_adapters: int) -> LoraDelta:
+        """From each targeting adapter's (A `[r_i, in]`, scaled B `[out, r_i]`), float32 on their device."""
+        first_a, first_b = next(iter(pairs.values()))
+        rank = max(a.shape[0] for a, _ in pairs.values())
+        at_stack = first_a.new_zeros(num_adapters + 1, first_a.shape[1], rank, dtype=torch.float32)
+        bt_stack = first_a.new_zeros(num_adapters + 1, rank, first_b.shape[0], dtype=torch.float32)
+        for index, (a, b) in pairs.items():
+            at_stack[index, :, : a.shape[0]] = a.T
+            bt_stack[index, : a.shape[0]] = b.T
+        return cls(at_stack, bt_stack, tuple(sorted(pairs)))
+
+    @classmethod
+    def fused(cls, members: list[LoraDelta | None], widths: list[int]) -> LoraDelta:
+        """One term for a fused group's whole product `[..., sum(widths)]` (layers/linear/fused.py): the members' A
+        side by side along the rank, their B block-diagonal (member m's rank rows feed only its own column block),
+        so a step runs one product pair for the group instead of one per member. Members without a term add 0."""
+        present = [m for m in members if m is not None]
+        slots, in_features, device = present[0].at_stack.shape[0], present[0].in_features, present[0].at_stack.device
+        ranks = [m.rank if m is not None else 0 for m in members]
+        at_stack = torch.zeros(slots, in_features, sum(ranks), device=device)
+        bt_stack = torch.zeros(slots, sum(ranks), sum(widths), device=device)
+        row, column = 0, 0
+        for member, rank, width in zip(members, ranks, widths):
+            if member is not None:
+                at_stack[:, :, row : row + rank] = member.at_stack
+                bt_stack[:, row : row + rank, column : column + width] = member.bt_stack
+            row, column = row + rank, column + width
+        return cls(at_stack, bt_stack, tuple(sorted({a for m in present for a in m.adapters})))
 
     def pair(self, adapter: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A `[r, in]`, scaled B `[out, r]`) of `adapter` as stored (rank zero-padded to the layer's largest)."""

@@ -32,6 +32,9 @@ class FusedProjections:
         self.members = members
         self.kernel = kernel
         self.widths = [m.out_features for m in members]
+        # A term for the whole product, added instead of the members' own (e.g. the members' LoRA deltas as one,
+        # lora/delta.py `LoraDelta.fused`): its value must equal the members' terms added into their column blocks.
+        self.extra: LinearExtra | None = None
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._untaken: set[int] = set()
@@ -40,6 +43,9 @@ class FusedProjections:
         """The whole group's output for `x` (`[..., sum(widths)]`, members' extra terms included); the members'
         outputs are its column blocks in member order."""
         out = self.kernel(x)
+        if self.extra is not None:
+            self.extra.add_to(x, out)
+            return out
         start = 0
         for member, width in zip(self.members, self.widths):
             extra: LinearExtra | None = member.extra
