@@ -20,8 +20,9 @@ cannot change its grouping between replays, so inside one every adapter's rank c
 and kept by a mask read from the static adapter-index buffer (`row_adapter`): one pair of products, exact (the
 other adapters' columns are multiplied by 0).
 
-`add_to` writes into `out` in place, which may be a column block of a fused q/k/v or gate/up product
-(layers/linear/fused.py): the lean layers read that product directly. Outside the engine's language-model forward
+`add_to` writes into `out` in place. A fused q/k/v or gate/up group (layers/linear/fused.py) gets one term for its
+whole product (`LoraDelta.fused`: the members' A side by side, their B block-diagonal), so it runs one product pair
+instead of one per member; the lean layers read that product directly. Outside the engine's language-model forward
 (no step context: plain transformers, the vision tower) it adds nothing.
 """
 

@@ -12,7 +12,8 @@ kernel becomes a `FusedMember`: the first member called with an input computes t
 and keeps the column blocks until each member has taken its own; a member called with another input (a pattern
 the text decoders do not have) recomputes the group for that input, so results stay right whatever the call
 order. Every member's `extra` term is added into its own column block of the product (`FusedProjections.product`),
-so the lean layer (layers/cpu_decoder.py), which slices the product itself, gets them too.
+or the group's own `extra` for the whole product instead when it has one (the members' LoRA terms as one,
+lora/delta.py), so the lean layer (layers/cpu_decoder.py), which slices the product itself, gets them too.
 """
 
 from __future__ import annotations
