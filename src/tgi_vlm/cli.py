@@ -18,6 +18,7 @@ from loguru import logger
 
 from tgi_vlm.config import EngineConfig, ServerConfig
 from tgi_vlm.log import setup_logging
+from tgi_vlm.lora.specs import parse_lora_adapters
 
 if TYPE_CHECKING:
     from tgi_vlm.models.types import ShardModel
@@ -45,6 +46,26 @@ DTYPE_HELP = ("Model dtype (default: bfloat16 on a CPU with AMX / AVX512-BF16, e
 def dtype_args(dtype: Optional[Dtype]) -> list[str]:
     """`serve` flags for a shard started by generate / bench / launch: --dtype only when given (TGI's launcher)."""
     return ["--dtype", dtype.value] if dtype else []
+
+
+def lora_args(lora_adapters: Optional[str]) -> list[str]:
+    """`serve` flags for the LoRA adapters of a shard started by generate / bench / launch (checked here first)."""
+    try:
+        parse_lora_adapters(lora_adapters)
+    except ValueError as exc:
+        _fail(str(exc))
+    return ["--lora-adapters", lora_adapters] if lora_adapters else []
+
+
+def adapter_names(lora_adapters: Optional[str]) -> tuple[str, ...]:
+    """The adapter ids of `--lora-adapters` (refused with exit code 1 when malformed)."""
+    lora_args(lora_adapters)
+    return tuple(spec.id for spec in parse_lora_adapters(lora_adapters))
+
+
+# TGI's launcher flag (env LORA_ADAPTERS), handed to the shard's `serve`.
+LoraAdapters = Annotated[Optional[str], typer.Option(envvar="LORA_ADAPTERS", help="LoRA adapters to load, "
+                                                     "id[=path][@revision],... (TGI's syntax)")]
 
 
 # `tgi-vlm generate/bench/launch --num-shard N`: N ranks of `serve --sharded`, started as TGI's launcher does.
@@ -99,8 +120,14 @@ def unsupported_features(config: ServerConfig, quantize: Optional[str], speculat
         problems.append(f"--speculate {speculate} must be >= 0 (draft tokens per step)")
     if kv_cache_dtype:
         problems.append(f"--kv-cache-dtype {kv_cache_dtype} is not supported; the KV cache uses the model dtype")
-    if config.lora_adapters:
-        problems.append(f"LoRA adapters ({config.lora_adapters}) are not supported; merge them into the weights")
+    try:
+        adapters = parse_lora_adapters(config.lora_adapters)
+    except ValueError as exc:
+        problems.append(str(exc))
+    else:
+        if adapters and config.world_size > 1:
+            problems.append(f"--lora-adapters with WORLD_SIZE={config.world_size}: LoRA adapters are served on one "
+                            "shard only (their A/B weights are not split across ranks yet); use --num-shard 1")
     return problems
 
 
@@ -140,7 +167,8 @@ def serve(
         # Only now: reading the device imports torch.
         engine = EngineConfig.from_env(dtype=dtype.value if dtype else None, revision=revision,
                                        trust_remote_code=trust_remote_code, speculate=speculate or 0,
-                                       rank=config.rank, world_size=config.world_size, quantize=quantize or None)
+                                       rank=config.rank, world_size=config.world_size, quantize=quantize or None,
+                                       lora_adapters=parse_lora_adapters(config.lora_adapters))
     except ValueError as exc:
         _fail(str(exc))
     run_server(dataclasses.replace(config, engine=engine))
@@ -293,6 +321,9 @@ def generate(
     demo: Annotated[bool, typer.Option(help="A built-in prompt and a generated test image")] = False,
     prefix_caching: Annotated[bool, typer.Option(help="The router driver's prefix cache")] = True,
     dtype: Annotated[Optional[Dtype], typer.Option(help=DTYPE_HELP)] = None,
+    lora_adapters: LoraAdapters = None,
+    adapter_id: Annotated[str, typer.Option(help="The LoRA adapter (of --lora-adapters) this request runs with; "
+                                                 "empty: the base model")] = "",
     logger_level: str = "WARNING",
 ) -> None:
     """Start a shard (as TGI's launcher does), stream one request's tokens, print timings, stop the shard."""
@@ -315,11 +346,12 @@ def generate(
     from tgi_vlm.router.router import RouterConfig
 
     params = RequestParams(chunks=[*images, prompt or ""], max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos)
+                           top_k=top_k, top_p=top_p, seed=seed, do_sample=do_sample, ignore_eos=ignore_eos,
+                           adapter_id=adapter_id)
+    shard_args = [*dtype_args(dtype), *lora_args(lora_adapters)]
     try:
         config = RouterConfig(prefix_caching=prefix_caching, num_shard=num_shard)
-        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config,
-                                          shard_args=dtype_args(dtype)))
+        result = asyncio.run(run_generate(model_id, params, uds_path=uds_path, config=config, shard_args=shard_args))
     except (OSError, RuntimeError, TimeoutError) as exc:  # OSError: no such model (transformers' loaders)
         _fail(f"{type(exc).__name__}: {exc}")
     for line in timing_lines(result):
@@ -359,6 +391,7 @@ def launch(
     graceful_termination_timeout: Annotated[float, typer.Option(help="Seconds in-flight requests get on SIGTERM")] = 90.0,
     chat_template: Annotated[Optional[Path], typer.Option(help="A Jinja chat template file for /v1/chat/completions "
                                                                "(replaces the model's own; for models without one)")] = None,
+    lora_adapters: LoraAdapters = None,
     logger_level: str = "WARNING",
 ) -> None:
     """Serve TGI's HTTP API (/generate, /v1/chat/completions, /info, /metrics, ...) from a shard started
@@ -389,7 +422,7 @@ def launch(
                           max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
                           waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
                           num_shard=num_shard)
-    shard_args = ["--max-input-tokens", str(input_tokens), *dtype_args(dtype)]
+    shard_args = ["--max-input-tokens", str(input_tokens), *dtype_args(dtype), *lora_args(lora_adapters)]
     config = LaunchConfig(api, router, shard_args=shard_args, shard_uds_path=shard_uds_path,
                           graceful_termination_timeout_s=graceful_termination_timeout,
                           log_level=logger_level.lower())
@@ -452,6 +485,9 @@ def bench(
     target: Annotated[Optional[str], typer.Option(help="driver (the router driver against a shard) | http (a "
                                                        "running launch at --url); default: http with --url, "
                                                        "else driver")] = None,
+    lora_adapters: Annotated[Optional[str], typer.Option(envvar="LORA_ADAPTERS", help="LoRA adapters for the shard "
+                                                         "(TGI's syntax); requests take the base model and each "
+                                                         "adapter in turn")] = None,
 ) -> None:
     """Serving benchmark: a synthetic image+text workload through the router and shard (or over HTTP to a
     running launch, --url), vs transformers; or (--workload multiturn / shared-prefix) the driver's prefix
@@ -464,12 +500,15 @@ def bench(
     load = WorkloadOptions(num_requests=num_requests, images_per_request=images_per_request, image_min=image_min,
                            image_max=image_max, prompt_min=prompt_min, prompt_max=prompt_max, output_min=output_min,
                            output_max=output_max, concurrency=concurrency, rate=rate, seed=seed, ignore_eos=ignore_eos,
-                           system_tokens=system_tokens, conversations=conversations, turns=turns)
+                           system_tokens=system_tokens, conversations=conversations, turns=turns,
+                           adapters=adapter_names(lora_adapters))
+    if lora_adapters and hf:
+        _fail("--lora-adapters: the transformers reference runs the base model only; pass --no-hf")
     router = RouterConfig(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                           max_batch_prefill_tokens=max_batch_prefill_tokens, prefix_caching=prefix_caching,
                           num_shard=num_shard)
     options = BenchOptions(model_id, workload=workload, target=target, load=load, router=router, uds_path=uds_path,
-                           shard_args=tuple(dtype_args(dtype)), url=url, api_key=api_key,
+                           shard_args=(*dtype_args(dtype), *lora_args(lora_adapters)), url=url, api_key=api_key,
                            dtype=dtype.value if dtype else None, hf=hf, hf_batch_size=hf_batch_size, profile=profile,
                            out_dir=out_dir, name=name)
     try:

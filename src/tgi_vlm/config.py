@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tgi_vlm.lora.specs import AdapterSpec
+
 DEFAULT_CUDA_GRAPHS = (1, 2, 4, 8, 16, 32)
 KNOWN_ATTENTION = ("torch", "paged", "flashinfer", "flashdecoding")
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what TGI's launcher gives every shard
@@ -201,6 +203,8 @@ class EngineConfig:
     encoder_cache_bytes: int = 256 << 20
     limits: InputLimits = field(default_factory=InputLimits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    # LoRA adapters loaded at start (--lora-adapters / LORA_ADAPTERS, parsed by lora/specs.py); () = none.
+    lora_adapters: tuple[AdapterSpec, ...] = ()
 
     @property
     def decode_mirror_share(self) -> float:
@@ -273,7 +277,7 @@ class ServerConfig:
     otlp_service_name: str = "text-generation-inference.server"
     max_input_tokens: int | None = None
     max_message_bytes: int = 2**31 - 1  # images can be megabytes; TGI uses i32::MAX
-    lora_adapters: str | None = None  # --lora-adapters or LORA_ADAPTERS; refused (not supported)
+    lora_adapters: str | None = None  # --lora-adapters or LORA_ADAPTERS, as given (EngineConfig holds them parsed)
     shutdown_grace_s: float = 10.0  # on SIGTERM: how long the in-flight RPC may still run
     # Sharded: how long joining the process group, or one collective, may wait for the other ranks (TGI: 120 s).
     dist_timeout_s: float = 120.0

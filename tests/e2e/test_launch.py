@@ -113,7 +113,8 @@ def test_info_health_models_and_metrics_answer_without_a_key(launch, model):
     info = httpx.get(f"{launch.url}/info").json()
     assert list(info) == ["model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
                           "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
-                          "max_client_batch_size", "router", "version", "sha", "docker_label", "media"]
+                          "max_client_batch_size", "router", "version", "sha", "docker_label", "media",
+                          "lora_adapters"]  # the last two: tgi-vlm's own (media kinds; LoRA adapter ids requests may name)
     assert info["media"] == ["image", "video"]
     assert (info["model_id"], info["model_pipeline_tag"], info["max_concurrent_requests"], info["max_best_of"],
             info["max_input_tokens"], info["max_total_tokens"]) == (model, "image-text-to-text", 64, 2, MAX_INPUT,

@@ -27,7 +27,7 @@ def arch():
 
 @pytest.fixture
 def adapters(engine, monkeypatch):
-    """Two adapters in the table (no weights: nothing reads the index yet, so tokens stay the base model's)."""
+    """Two adapters in the table without weights (no layer has an extra term: tokens stay the base model's)."""
     monkeypatch.setattr(engine, "adapter_table", AdapterTable(["lora-a", "lora-b"]))
 
 
@@ -50,12 +50,12 @@ def test_intake_records_the_adapter_id_and_its_index_and_filter_and_concatenate_
     runner.run()
 
 
-def test_an_adapter_no_table_holds_gives_the_base_models_tokens_as_before(engine, runner):
-    runner.prefill([make_request(1, SYSTEM + Q1, max_new_tokens=5),
-                    with_adapter(make_request(2, SYSTEM + Q1, max_new_tokens=5), "not-loaded")])
-    assert [s.adapter_index for s in runner.batch.seqs] == [0, 0]
-    runner.run()
-    assert runner.tokens[2] == runner.tokens[1] and len(runner.tokens[1]) == 5
+def test_an_adapter_the_table_does_not_hold_refuses_that_request_only(engine, adapters):
+    batch = make_batch(1, [make_request(1, SYSTEM + Q1, max_new_tokens=5),
+                           with_adapter(make_request(2, SYSTEM + Q1, max_new_tokens=5), "not-loaded")])
+    with pytest.raises(InvalidBatch, match="request 2: adapter_id 'not-loaded' is not a loaded LoRA adapter") as refused:
+        engine.batch_from_pb(batch)
+    assert refused.value.request_ids == [2] and engine.kv_blocks_in_use == 0
 
 
 # ----- the layers see the step context -----
@@ -99,7 +99,7 @@ def test_a_graph_replay_reads_the_static_adapter_buffer_refilled_for_the_step(en
 
 # ----- prefix keys in the adapter's namespace -----
 
-def test_the_shard_keys_a_requests_blocks_as_the_driver_does_for_its_adapter(engine, runner):
+def test_the_shard_keys_a_requests_blocks_as_the_driver_does_for_its_adapter(engine, runner, adapters):
     request = with_adapter(make_request(1, SYSTEM + Q1, max_new_tokens=3), "lora-a")
     ids = engine.tokenize_request(request).ids
     runner.prefill([request])
@@ -117,7 +117,7 @@ def _prefilled_blocks(runner, routed, rid: int, text: str, adapter_id: str) -> l
     return list(request.blocks)
 
 
-def test_a_claim_on_blocks_another_adapters_request_computed_is_refused(engine, runner, routed):
+def test_a_claim_on_blocks_another_adapters_request_computed_is_refused(engine, runner, routed, adapters):
     blocks = _prefilled_blocks(runner, routed, 1, SYSTEM + Q1, "lora-a")
     k = common_blocks(routed.prompt_ids((SYSTEM + Q1,)), routed.prompt_ids((SYSTEM + Q2,)), 16)
     assert k >= 2
@@ -127,7 +127,7 @@ def test_a_claim_on_blocks_another_adapters_request_computed_is_refused(engine, 
             engine.batch_from_pb(make_batch(9, [claim]))
 
 
-def test_a_claim_by_a_request_of_the_same_adapter_is_served(engine, runner, routed, computed):
+def test_a_claim_by_a_request_of_the_same_adapter_is_served(engine, runner, routed, computed, adapters):
     blocks = _prefilled_blocks(runner, routed, 1, SYSTEM + Q1, "lora-a")
     k = common_blocks(routed.prompt_ids((SYSTEM + Q1,)), routed.prompt_ids((SYSTEM + Q2,)), 16)
     assert k >= 2

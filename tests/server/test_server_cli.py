@@ -51,6 +51,17 @@ def test_serve_accepts_every_flag_the_launcher_passes(served):
     assert (config.engine.dtype, config.engine.revision, config.engine.trust_remote_code) == ("bfloat16", "abc", True)
 
 
+@pytest.mark.parametrize(("args", "env"), [(["--lora-adapters", "math=/a/m, code@v2"], {}),
+                                           ([], {"LORA_ADAPTERS": "math=/a/m,code@v2"})])
+def test_serve_takes_the_launchers_lora_adapters_flag_or_env_and_parses_them(served, args, env):
+    from tgi_vlm.lora import AdapterSpec
+
+    result = invoke("serve", "/models/m", *args, env=env)
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert config.engine.lora_adapters == (AdapterSpec("math", "/a/m"), AdapterSpec("code", None, "v2"))
+
+
 @pytest.fixture
 def loaded(monkeypatch) -> list:
     """(model_id, keyword arguments) of each get_model call made by `serve`: the server loop is replaced by
@@ -80,8 +91,10 @@ def test_serve_lets_the_loader_run_remote_code_only_with_the_flag(loaded, flags,
         (["--quantize", "nf5"], {}, "--quantize nf5: not one of TGI's --quantize values"),
         (["--speculate", "-1"], {}, "--speculate -1 must be >= 0"),
         (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "--kv-cache-dtype fp8_e4m3fn is not supported"),
-        (["--lora-adapters", "a/b"], {}, "LoRA adapters (a/b) are not supported"),
-        ([], {"LORA_ADAPTERS": "c/d"}, "LoRA adapters (c/d) are not supported"),
+        (["--lora-adapters", "a=x=y"], {}, "--lora-adapters: 'a=x=y' is not id, id=path"),
+        ([], {"LORA_ADAPTERS": "c/d,c/d"}, "--lora-adapters: adapter id(s) 'c/d' given more than once"),
+        (["--lora-adapters", "a/b", "--sharded"], RANK_1_OF_2, "--lora-adapters with WORLD_SIZE=2: LoRA adapters are "
+                                                               "served on one shard only"),
     ],
 )
 def test_serve_refuses_unsupported_features_with_exit_code_1(served, args, env, message):
@@ -241,3 +254,17 @@ def test_serve_takes_tgis_quantize_eetq_into_the_engine_config(served):
     assert [c.engine.quantize for c in served] == ["eetq"]
     invoke("serve", "/models/m")
     assert served[-1].engine.quantize is None
+
+
+@pytest.mark.parametrize("command", [["generate", "/models/m", "--prompt", "hi"], ["launch", "/models/m"],
+                                     ["bench", "/models/m", "--no-hf"]])
+def test_generate_launch_and_bench_check_lora_adapters_before_starting_anything(command):
+    result = invoke(*command, "--lora-adapters", "a=x=y")
+    assert result.exit_code == 1
+    assert "--lora-adapters: 'a=x=y' is not id, id=path" in result.output
+
+
+def test_bench_refuses_the_transformers_reference_with_lora_adapters():
+    result = invoke("bench", "/models/m", "--lora-adapters", "a=/x")
+    assert result.exit_code == 1
+    assert "the transformers reference runs the base model only; pass --no-hf" in result.output

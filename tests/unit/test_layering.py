@@ -39,6 +39,9 @@ FORBIDDEN = {
     # Benchmarks drive the router (and reach models/ for the transformers reference only, below).
     "benchmarking": (SERVER, TESTING, LAYERS, GENERATION),
     "images.py": (MODELS, ROUTER, TESTING, SERVER, API, BENCH),
+    # LoRA loading sits on the layers and the models' adapter table; its flag syntax is read by every part.
+    "lora": (SERVER, ROUTER, TESTING, API, BENCH, GENERATION),
+    "lora/specs.py": ("tgi_vlm.",),
     "blocks.py": ("tgi_vlm.",),
     "media.py": ("tgi_vlm.",),
     # The native kernels are the bottom floor: layers import them, never the reverse.

@@ -9,7 +9,7 @@ import torch
 from tests.unit.step_sequences import decoding, make_seq
 from tgi_vlm.layers.attention import KVCacheSpec, PagedKVCache
 from tgi_vlm.layers.step_context import StepContext, current, using
-from tgi_vlm.models.adapter_table import AdapterTable
+from tgi_vlm.models.adapter_table import AdapterTable, UnknownAdapter
 from tgi_vlm.models.step import build_step
 
 CPU = torch.device("cpu")
@@ -110,9 +110,11 @@ def test_the_table_maps_no_adapter_to_the_base_model_and_loaded_ones_from_one():
     assert [table.resolve(name) for name in ("", "math", "code")] == [0, 1, 2]
 
 
-def test_an_adapter_the_table_does_not_hold_runs_on_the_base_model_as_before():
-    assert AdapterTable().resolve("my-lora") == 0
-    assert AdapterTable(["math"]).resolve("code") == 0
+def test_an_adapter_the_table_does_not_hold_is_refused_naming_it_and_the_loaded_ones():
+    with pytest.raises(UnknownAdapter, match="'my-lora' is not a loaded LoRA adapter \\(loaded: none"):
+        AdapterTable().resolve("my-lora")
+    with pytest.raises(UnknownAdapter, match="'code' is not a loaded LoRA adapter \\(loaded: 'math'"):
+        AdapterTable(["math"]).resolve("code")
 
 
 @pytest.mark.parametrize("names", [["a", "a"], [""]])

@@ -18,6 +18,7 @@ from tgi_vlm.api.errors import validation_error
 from tgi_vlm.api.grammar import grammar_fields
 from tgi_vlm.api.images import ImageResolver
 from tgi_vlm.api.schemas import Parameters
+from tgi_vlm.lora.specs import unknown_adapter_message
 from tgi_vlm.router.requests import RequestParams
 from tgi_vlm.router.tokens import CountError, PromptTokens, TokenCounter
 
@@ -45,8 +46,9 @@ class ValidRequest:
 
 class Validator:
     def __init__(self, config: ApiConfig, counter: TokenCounter, lengths: LengthLimits, images: ImageResolver,
-                 *, prompt_tokens: bool = False):
+                 *, prompt_tokens: bool = False, adapters: tuple[str, ...] = ()):
         self.config = config
+        self.adapters = adapters  # the LoRA adapters the shard serves (its Info); a request may name one
         self.prompt_tokens = prompt_tokens  # the router keys its prefix cache on them: tokenize fully, once
         self.counter = counter
         self.lengths = lengths
@@ -87,6 +89,8 @@ class Validator:
             raise validation_error("`best_of` != 1 is not supported when streaming tokens")
         if p.decoder_input_details and stream:
             raise validation_error("`decoder_input_details` == true is not supported when streaming tokens")
+        if p.adapter_id and p.adapter_id not in self.adapters:
+            raise validation_error(unknown_adapter_message(p.adapter_id, self.adapters))
         if p.temperature is not None and not (p.temperature > 0 and math.isfinite(p.temperature)):
             raise validation_error("`temperature` must be strictly positive")
         if p.repetition_penalty is not None and not (p.repetition_penalty > 0 and math.isfinite(p.repetition_penalty)):

@@ -31,6 +31,7 @@ class WorkloadOptions:
     system_tokens: int = 0  # a shared system prompt of about this many tokens (0: none; a workload may default it)
     conversations: int = 16  # multiturn
     turns: int = 4
+    adapters: tuple[str, ...] = ()  # LoRA adapter ids: request i runs on ("", *adapters)[i % (n + 1)]
 
 
 @dataclass(frozen=True)

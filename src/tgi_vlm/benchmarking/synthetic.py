@@ -29,9 +29,12 @@ class WorkloadSpec:
     seed: int = 0
     ignore_eos: bool = True  # every request runs its full length (off: greedy outputs may stop at EOS)
     system_tokens: int = 0  # > 0: every request opens with the same system prompt of about this many tokens
+    adapters: tuple[str, ...] = ()  # LoRA adapter ids: request i runs on ("", *adapters)[i % (n + 1)]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        adapters = values.pop("adapters")
+        return {**values, "adapters": list(adapters)} if adapters else values  # results files as before without LoRA
 
 
 @dataclass
@@ -58,7 +61,8 @@ def make_workload(spec: WorkloadSpec, tokenizer) -> list[WorkItem]:
         outputs = rng.randint(spec.output_min, spec.output_max)
         if spec.rate:
             clock += rng.expovariate(spec.rate)
-        params = RequestParams([*system, *images, text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos)  # greedy
+        params = RequestParams([*system, *images, text], max_new_tokens=outputs, ignore_eos=spec.ignore_eos,  # greedy
+                               adapter_id=("", *spec.adapters)[i % (len(spec.adapters) + 1)])
         items.append(WorkItem(params, target, sizes, clock))
     return items
 

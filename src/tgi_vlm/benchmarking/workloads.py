@@ -55,7 +55,7 @@ def workload_named(name: str) -> Workload:
 def serving_spec(o: WorkloadOptions, system_tokens: int) -> WorkloadSpec:
     return WorkloadSpec(o.num_requests, o.images_per_request, o.image_min, o.image_max, o.prompt_min, o.prompt_max,
                         o.output_min, o.output_max, o.concurrency, o.rate, o.seed, ignore_eos=o.ignore_eos,
-                        system_tokens=system_tokens)
+                        system_tokens=system_tokens, adapters=o.adapters)
 
 
 def _serving(o: WorkloadOptions, tokenizer) -> Requests:

@@ -9,7 +9,8 @@ that forward (plain transformers, the vision tower, tests calling a layer direct
 run as the base model.
 
 Decide on the host, act on the device: the context holds per-sequence host tuples; the per-row device
-tensors and the grouping of rows by adapter are derived from them at most once per step, on first
+tensors and the grouping of rows by adapter (`adapter_ranges`, `adapter_runs`, `adapter_groups`, and
+`padded_groups`, the LoRA layers' batched form) are derived from them at most once per step, on first
 use, so a step whose layers never ask builds no tensor.
 
 Captured CUDA graphs cannot read host values at replay. A graphed context (`for_graph`) has one row
@@ -39,6 +40,22 @@ class AdapterRows:
     adapter: int
     ranges: tuple[tuple[int, int], ...]
     rows: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedGroups:
+    """The rows of every adapter but the base model's, as `k` equal-width groups (for batched products).
+
+    `rows` `[k * width]`: group g's rows at `[g * width, (g + 1) * width)`, ascending, a shorter group padded by
+    repeating its last row; `padding` `[k * width, 1]` bool marks those repeats (a product over them is zeroed
+    before it is added, so a row is never added twice). `adapters` `[k]`: each group's adapter index; `span`: the
+    half-open range of indices when the adapters are consecutive (a slice instead of a gather), else None."""
+
+    adapters: torch.Tensor
+    rows: torch.Tensor
+    padding: torch.Tensor | None  # None: every group is exactly `width` rows
+    width: int
+    span: tuple[int, int] | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,6 +148,32 @@ class StepContext:
             rows = torch.cat([torch.arange(s, e) for s, e in ranges]).to(self.device)
             groups.append(AdapterRows(adapter, ranges, rows))
         return tuple(groups)
+
+
+    @cached_property
+    def adapter_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(adapter, start, end) for every run of rows of an adapter other than the base model, ascending adapter."""
+        return tuple((a, s, e) for a, ranges in self.adapter_ranges.items() if a != BASE_ADAPTER for s, e in ranges)
+
+    @cached_property
+    def padded_groups(self) -> PaddedGroups | None:
+        """The non-base adapters' rows as equal-width groups (`PaddedGroups`); None when every row is the base
+        model's. Host-side grouping, as `adapter_groups`: not inside a graph."""
+        if self.graphed:
+            raise RuntimeError("padded_groups is host-side grouping; inside a captured graph read row_adapter")
+        groups = {a: [r for s, e in ranges for r in range(s, e)]
+                  for a, ranges in self.adapter_ranges.items() if a != BASE_ADAPTER}
+        if not groups:
+            return None
+        width = max(len(rows) for rows in groups.values())
+        rows, padding = [], []
+        for own in groups.values():
+            rows += own + [own[-1]] * (width - len(own))
+            padding += [False] * len(own) + [True] * (width - len(own))
+        adapters = list(groups)
+        span = (adapters[0], adapters[-1] + 1) if adapters == list(range(adapters[0], adapters[-1] + 1)) else None
+        return PaddedGroups(torch.tensor(adapters, device=self.device), torch.tensor(rows, device=self.device),
+                            torch.tensor(padding, device=self.device)[:, None] if any(padding) else None, width, span)
 
 
 _CURRENT: ContextVar[StepContext | None] = ContextVar("tgi_vlm_step_context", default=None)

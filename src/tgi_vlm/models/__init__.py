@@ -59,6 +59,10 @@ def get_model(model_id: str, config: EngineConfig, *, revision: str | None = Non
         engine = _load_text_model(model_id, hf_config, config, attn_name, dtype, layout, revision, trust_remote_code,
                                   gguf_file, packed)
     engine.linear_plan = _plan_linears(engine, config)
+    if config.lora_adapters:  # each targeted linear gets its LoRA term (lora/attach.py); none: every extra stays None
+        from tgi_vlm.lora.attach import attach_adapters
+
+        engine.adapter_table = attach_adapters(engine, config.lora_adapters)
     return engine
 
 

@@ -178,7 +178,7 @@ class FlashCausalLM(ShardModel):
         self.kv_cache: PagedKVCache | None = None
         self.pool: BlockPool | None = None
         self.block_records = BlockRecords(config.block_size)  # what each KV block holds (cache_len checks)
-        self.adapter_table = AdapterTable()  # LoRA adapters by name; none loaded yet: "" → 0 only
+        self.adapter_table = AdapterTable()  # LoRA adapters by name ("" → 0); get_model attaches --lora-adapters
         # TGI's vocabulary: our torch backend is paged attention ("paged"); flashinfer is itself.
         self.attention_impl = "flashinfer" if config.attention == "flashinfer" else "paged"
         self.max_total_tokens: int | None = None  # set by Warmup; longer requests are refused
@@ -425,6 +425,7 @@ class FlashCausalLM(ShardModel):
             use_prefix_caching=self.router_prefix_caching,
             attention_impl=self.attention_impl,
             block_size=self.config.block_size,
+            lora_adapters=list(self.adapter_table.names),
         )
 
 

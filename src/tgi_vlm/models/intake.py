@@ -3,7 +3,7 @@
 Two stages, so that a batch is validated completely before anything is allocated:
 1. tokenize (`FlashCausalLM.tokenize_request`; VLMs: `vlm_intake.py`) → `TokenizedPrompt`;
 2. `make_sequence`: parameters, lengths and slots checked, the grammar's state taken from its
-   compiled form, the request's `adapter_id` resolved to an index (`adapter_table.py`); server
+   compiled form, the request's `adapter_id` resolved to an index (`adapter_table.py`; one not loaded is refused); server
    blocks claimed only if the router gave none. Every refusal is an
    `InvalidRequest` naming the request.
 Grammars compile off the model thread: `start_grammars` starts every request's compile when its
@@ -29,6 +29,7 @@ from tgi_vlm.generation import (
     TokenChooser,
     validate_parameters,
 )
+from tgi_vlm.models.adapter_table import UnknownAdapter
 from tgi_vlm.models.request_input import request_chunks, truncate_ids  # noqa: F401 - the engine's names
 from tgi_vlm.models.sequence import MultimodalState, Sequence
 from tgi_vlm.pb import generate_pb2
@@ -70,6 +71,7 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
     ids, rid = prompt.ids, request.id
     stopping = request.stopping_parameters
     check_request(model, request, len(ids))
+    adapter_index = adapter_index_of(model, request)
     if prompt.mm is None:
         check_token_ids(rid, ids, model.vocab_size)
     grammar = grammar_state(model, request)
@@ -106,7 +108,7 @@ def make_sequence(model: FlashCausalLM, request: generate_pb2.Request, prompt: T
         owns_blocks=owns,
         mm=prompt.mm,
         adapter_id=request.adapter_id,  # "" when unset (proto3 optional string)
-        adapter_index=model.adapter_table.resolve(request.adapter_id),
+        adapter_index=adapter_index,
         num_computed=request.cache_len,  # verified: those positions' K/V are already in the cache
         block_keys=cached_keys,
         grammar=grammar,
@@ -138,6 +140,15 @@ def check_request(model: FlashCausalLM, request: generate_pb2.Request, prompt_le
             f"{prompt_len} prompt tokens + max_new_tokens {stopping.max_new_tokens} exceed "
             f"max_total_tokens {model.max_total_tokens}",
         )
+
+
+def adapter_index_of(model: FlashCausalLM, request: generate_pb2.Request) -> int:
+    """The index of the request's LoRA adapter (0: none named); an adapter that is not loaded refuses this request
+    only (the router drops it and resends the rest of the batch)."""
+    try:
+        return model.adapter_table.resolve(request.adapter_id)
+    except UnknownAdapter as exc:
+        raise InvalidRequest(request.id, str(exc)) from None
 
 
 def check_token_ids(rid: int, ids, rows: int) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 from loguru import logger
 
+from tgi_vlm.lora.specs import unknown_adapter_message
 from tgi_vlm.pb import generate_pb2 as pb
 from tgi_vlm.router.allocator import BlockAllocator, PromptBlocks
 from tgi_vlm.router.client import ShardClient
@@ -454,6 +455,9 @@ class Router:
         n, new = entry.input_len, entry.params.max_new_tokens
         if new < 1:
             return "max_new_tokens must be at least 1"
+        adapter = entry.params.adapter_id
+        if adapter and adapter not in shard.info.lora_adapters:  # the shard would refuse it too (by request)
+            return unknown_adapter_message(adapter, shard.info.lora_adapters)
         if n > shard.max_input_tokens:
             return f"{n} input tokens exceed max_input_tokens {shard.max_input_tokens}; shorten the prompt or set truncate"
         if n + new > shard.max_total_tokens:

@@ -74,8 +74,10 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     check_n(n, state)
     tools = plan_tools(body)
     inputs = state.chat_template.apply(body.messages, tools, body.tool_prompt)
-    chat = ChatRun(state.openai_for(body.model), inputs, chat_parameters(body, tools), sequence_seeds(body.seed, n),
-                   bool(body.logprobs), tools)
+    params = chat_parameters(body, tools)
+    params.adapter_id = state.adapter_for(body.model) or None
+    chat = ChatRun(state.openai_for(body.model), inputs, params, sequence_seeds(body.seed, n), bool(body.logprobs),
+                   tools)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return sse.response(chat_events(chat, state, usage))
@@ -149,6 +151,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise ApiError(422, f"{len(prompts)} prompts × `n` = {n} is {len(prompts) * n} sequences, which exceeds the "
                             f"maximum allowed batch size of {limit} (--max-client-batch-size)", "batch size exceeded")
     params, seeds = completion_parameters(body), sequence_seeds(body.seed, n)
+    params.adapter_id = state.adapter_for(body.model) or None
     if body.stream:
         return sse.response(completion_events(state.openai_for(body.model), state, prompts, params, seeds))
     results = await unless_disconnected(request, asyncio.gather(

@@ -38,6 +38,7 @@ def info(state: ApiState) -> dict:
         "docker_label": None,
         # tgi-vlm: the media kinds the model takes in prompts ([] for text-only; "video" for Qwen2-VL / 2.5-VL)
         "media": [kind.value for kind in state.counter.prompt.media_kinds] if state.takes_images else [],
+        "lora_adapters": list(state.router.shard.info.lora_adapters),  # beyond TGI's Info: adapter_id values served
     }
 
 

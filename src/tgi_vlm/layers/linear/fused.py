@@ -12,7 +12,8 @@ kernel becomes a `FusedMember`: the first member called with an input computes t
 and keeps the column blocks until each member has taken its own; a member called with another input (a pattern
 the text decoders do not have) recomputes the group for that input, so results stay right whatever the call
 order. Every member's `extra` term is added into its own column block of the product (`FusedProjections.product`),
-so the lean layer (layers/cpu_decoder.py), which slices the product itself, gets them too.
+or the group's own `extra` for the whole product instead when it has one (the members' LoRA terms as one,
+lora/delta.py), so the lean layer (layers/cpu_decoder.py), which slices the product itself, gets them too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class FusedProjections:
         self.members = members
         self.kernel = kernel
         self.widths = [m.out_features for m in members]
+        # A term for the whole product, added instead of the members' own (e.g. the members' LoRA deltas as one,
+        # lora/delta.py `LoraDelta.fused`): its value must equal the members' terms added into their column blocks.
+        self.extra: LinearExtra | None = None
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
         self._untaken: set[int] = set()
@@ -40,6 +44,9 @@ class FusedProjections:
         """The whole group's output for `x` (`[..., sum(widths)]`, members' extra terms included); the members'
         outputs are its column blocks in member order."""
         out = self.kernel(x)
+        if self.extra is not None:
+            self.extra.add_to(x, out)
+            return out
         start = 0
         for member, width in zip(self.members, self.widths):
             extra: LinearExtra | None = member.extra
