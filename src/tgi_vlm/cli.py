@@ -214,7 +214,8 @@ def download_weights(
     _setup_logging(logger_level, json_output)
     check_model_id(model_id)
     if merge_lora:
-        _fail("--merge-lora: LoRA adapters are not supported; merge them into the weights beforehand")
+        _fail("--merge-lora: merging an adapter into the base weights at download is not supported; serve it with "
+              "--lora-adapters, or merge it beforehand (peft's merge_and_unload)")
     if extension != ".safetensors":
         _fail(f"--extension {extension}: only .safetensors weights are loaded")
     local = Path(model_id).expanduser()
