@@ -43,14 +43,9 @@ from tgi_vlm.config import GrammarLimits
 from tgi_vlm.generation import GrammarCompiler, GrammarType
 from tgi_vlm.testing import tiny_model_path
 from tgi_vlm.testing.machine import machine
+from tgi_vlm.testing.schemas import ADD, WEATHER
 
 RESULTS = Path(__file__).parent / "results"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-       "required": ["a", "b"], "additionalProperties": False}
 USER = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
 MAX_TOKENS = 96  # room for a whole call
 

@@ -30,14 +30,9 @@ from tgi_vlm.api.schemas import ChatRequest
 from tgi_vlm.api.tools import plan_tools
 from tgi_vlm.generation.grammar_compiler import JSON_WHITESPACE
 from tgi_vlm.testing import tiny_model_path
+from tgi_vlm.testing.schemas import ADD, WEATHER
 
 TIMEOUT = 120
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 999}},
-       "required": ["a", "b"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}

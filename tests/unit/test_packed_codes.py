@@ -43,11 +43,12 @@ def test_the_layout_is_a_gguf_q5_0_blocks_nibbles_and_high_bits():
     assert packed.high[0, 0] == -(1 << 31)  # only value 31 (input 31) has bit 4 set: the word's top bit
 
 
-@pytest.mark.parametrize("low,high", [(-17, 16), (0, 33), (-128, 128)])
+@pytest.mark.parametrize("low,high", [(-17, 15), (0, 32), (-16, 16), (-128, 127)])
 def test_codes_wider_than_5_bits_or_rows_not_in_32s_stay_int8(low, high):
-    assert PackedCodes.pack(random_codes(3, 64, low, high, seed=1) if high - low > 32
-                            else torch.tensor([[low] * 32, [high - 1] * 32], dtype=torch.int8)) is None
-    assert PackedCodes.pack(random_codes(3, 48, 0, 16, seed=2)) is None
+    codes = torch.zeros(2, 64, dtype=torch.int8)
+    codes[0, 5], codes[1, 40] = low, high  # the range's two ends: 33 values or more
+    assert PackedCodes.pack(codes) is None
+    assert PackedCodes.pack(random_codes(3, 48, 0, 16, seed=2)) is None  # 48 inputs: not a multiple of 32
 
 
 def grouped(codes: torch.Tensor, group: int, offsets: bool, seed: int) -> GroupedInt8Weight:
@@ -104,21 +105,21 @@ def linear_with(weight: GroupedInt8Weight) -> torch.nn.Linear:
 
 
 @needs_packed
-def test_a_native_layer_holds_its_codes_packed_and_computes_what_the_int8_layer_computes():
+def test_a_native_layer_holds_its_codes_packed_and_computes_what_the_int8_layer_computes(monkeypatch):
     require("grouped_packed_linear")
     codes = random_codes(64, 128, -16, 16, seed=4)
     weight = grouped(codes.clone(), 32, False, seed=5)
-    plain = GroupedInt8Linear(PlainWeights((linear_with(weight),)), grouped(codes.clone(), 32, False, seed=5),
-                              native=False)
     kernel = GroupedInt8Linear(PlainWeights((linear_with(weight),)), weight, native=True)
     assert isinstance(weight.codes, PackedCodes) and kernel.name.endswith("+native+packed5")
     assert weight.nbytes == 64 * 64 + 64 * 4 * 4 + 64 * 4 * 4  # nibbles, high words, float32 scales
     assert torch.equal(weight.int8_codes(), codes)
-    for rows in (1, 7, 40):  # native (int8 sums), native, sliced (de-quantized, torch's product)
+    monkeypatch.setattr("tgi_vlm.layers.linear.grouped.PACK_CODES", False)  # the same layer, codes a byte each
+    unpacked = GroupedInt8Linear(PlainWeights((linear_with(weight),)), grouped(codes.clone(), 32, False, seed=5),
+                                 native=True)
+    assert unpacked.weight.codes.dtype == torch.int8 and unpacked.name.endswith("+native")
+    for rows in (1, 7, 40):  # native product, native product, sliced (de-quantized, then torch's product)
         x = torch.randn(rows, 128)
-        assert torch.allclose(kernel(x), plain(x), rtol=0, atol=1e-5), rows
-    assert torch.equal(kernel(torch.ones(1, 128)), GroupedInt8Linear(
-        PlainWeights((linear_with(weight),)), grouped(codes.clone(), 32, False, seed=5), native=True)(torch.ones(1, 128)))
+        assert torch.equal(kernel(x), unpacked(x)), rows
 
 
 @needs_packed

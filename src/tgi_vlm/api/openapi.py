@@ -1,5 +1,5 @@
 """What /openapi.json promises, route by route: every status the server can answer, with the
-content type and body it answers with (tests/e2e/test_openapi_conformance.py holds the server to it).
+content type and body it answers with (tests/unit/test_openapi_conformance.py holds the server to it).
 
 Only the documentation uses these models; handlers build their bodies as dicts (responses.py).
 Common to every POST route: 400 (a body that is not JSON), 413 (past --payload-limit), 422 (a body
@@ -32,23 +32,22 @@ class PrefillToken(BaseModel):
     logprob: float | None
 
 
-class BestOfSequence(BaseModel):
+class SequenceDetails(BaseModel):
+    """What TGI's `Details` and `BestOfSequence` share (documentation only: properties are not ordered here)."""
+
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
+class BestOfSequence(SequenceDetails):
     generated_text: str
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
 
 
-class Details(BaseModel):
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
 
 

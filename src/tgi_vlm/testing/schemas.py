@@ -103,3 +103,16 @@ def person_instance(i: int) -> str:
         "address": {"street": f"{i} Main Street", "city": "Springfield", "zip": f"{10000 + i:05d}"},
     }
     return json.dumps(doc, separators=(", ", ": "))
+
+
+# Two function tools' argument schemas, small enough for a tiny model to finish a call within ~40 tokens (the chat
+# tools tests, tests/e2e/test_chat_tools.py, and benchmarks/chat_tools.py).
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+ADD: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["a", "b"], "additionalProperties": False}
