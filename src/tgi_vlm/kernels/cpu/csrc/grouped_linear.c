@@ -407,6 +407,17 @@ static int amx_grouped(const uint16_t* x, int64_t rows, int64_t in, const Codes*
 }
 #endif
 
+/* 16 weights into y (float32, or bfloat16 rounded once) at element `at`. */
+static inline void store_weights(void* y, int dtype, int64_t at, __m512 w) {
+    if (dtype == DTYPE_FLOAT32) {
+        _mm512_storeu_ps((float*)y + at, w);
+    } else {
+        float values[16];
+        _mm512_storeu_ps(values, w);
+        store_bf16((uint16_t*)y + at, values, 16);
+    }
+}
+
 /* x [rows, in] (dtype) times the weight of `codes`, scales / offsets [out, in / group] float32 (offsets may be NULL),
    into y [rows, out] (dtype). Returns 0, -1 for inputs it does not take, -2 without memory for its float32 copy of x. */
 static int grouped_linear(const void* x, int dtype, int64_t rows, int64_t in, const Codes* codes, int64_t out,
@@ -464,24 +475,26 @@ static int grouped_dequantize(const Codes* codes, int64_t out, int64_t in, const
         || (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16))
         return -1;
     const int64_t groups = in / group;
-    const int packed = codes->nibbles != NULL;
+    const int packed = codes->nibbles != NULL, by32 = packed && group % 32 == 0; /* packed: one load per 32 */
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t o = 0; o < out; ++o) {
         for (int64_t g = 0; g < groups; ++g) {
             const __m512 s = _mm512_set1_ps(scales[o * groups + g]);
             const __m512 m = _mm512_set1_ps(offsets != NULL ? offsets[o * groups + g] : 0.0f);
-            for (int64_t c = 0; c < group; c += 16) {
-                const int64_t k = g * group + c, at = o * in + k;
-                const __m512 q = packed ? code_floats(1, codes, o, k) : code_floats(0, codes, o, k);
-                __m512 w = _mm512_mul_ps(q, s);
+            for (int64_t c = 0; by32 && c < group; c += 32) {
+                const int64_t k = g * group + c;
+                __m512 q0, q1;
+                code_floats32(1, codes, o, k, &q0, &q1);
+                __m512 w0 = _mm512_mul_ps(q0, s), w1 = _mm512_mul_ps(q1, s);
+                if (offsets != NULL) w0 = _mm512_sub_ps(w0, m), w1 = _mm512_sub_ps(w1, m);
+                store_weights(y, dtype, o * in + k, w0);
+                store_weights(y, dtype, o * in + k + 16, w1);
+            }
+            for (int64_t c = 0; !by32 && c < group; c += 16) {
+                const int64_t k = g * group + c;
+                __m512 w = _mm512_mul_ps(packed ? code_floats(1, codes, o, k) : code_floats(0, codes, o, k), s);
                 if (offsets != NULL) w = _mm512_sub_ps(w, m);
-                if (dtype == DTYPE_FLOAT32) {
-                    _mm512_storeu_ps((float*)y + at, w);
-                } else {
-                    float values[16];
-                    _mm512_storeu_ps(values, w);
-                    store_bf16((uint16_t*)y + at, values, 16);
-                }
+                store_weights(y, dtype, o * in + k, w);
             }
         }
     }
